@@ -1,0 +1,169 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Tensor(_message.Message):
+    __slots__ = ("dtype", "shape", "data", "first_row")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    FIRST_ROW_FIELD_NUMBER: _ClassVar[int]
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    first_row: int
+    def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., first_row: _Optional[int] = ...) -> None: ...
+
+class Media(_message.Message):
+    __slots__ = ("data", "media_type")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    MEDIA_TYPE_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    media_type: str
+    def __init__(self, data: _Optional[bytes] = ..., media_type: _Optional[str] = ...) -> None: ...
+
+class ScoreRequest(_message.Message):
+    __slots__ = ("request_id", "teacher_key", "token_ids", "prompt_length", "logprobs", "topk", "hidden_states", "images", "videos", "audios", "mm_processor_kwargs")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TEACHER_KEY_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOPK_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    VIDEOS_FIELD_NUMBER: _ClassVar[int]
+    AUDIOS_FIELD_NUMBER: _ClassVar[int]
+    MM_PROCESSOR_KWARGS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    teacher_key: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    prompt_length: int
+    logprobs: bool
+    topk: int
+    hidden_states: bool
+    images: _containers.RepeatedCompositeFieldContainer[Media]
+    videos: _containers.RepeatedCompositeFieldContainer[Media]
+    audios: _containers.RepeatedCompositeFieldContainer[Media]
+    mm_processor_kwargs: str
+    def __init__(self, request_id: _Optional[str] = ..., teacher_key: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., prompt_length: _Optional[int] = ..., logprobs: _Optional[bool] = ..., topk: _Optional[int] = ..., hidden_states: _Optional[bool] = ..., images: _Optional[_Iterable[_Union[Media, _Mapping]]] = ..., videos: _Optional[_Iterable[_Union[Media, _Mapping]]] = ..., audios: _Optional[_Iterable[_Union[Media, _Mapping]]] = ..., mm_processor_kwargs: _Optional[str] = ...) -> None: ...
+
+class ScoreResponse(_message.Message):
+    __slots__ = ("request_id", "teacher", "model", "num_tokens", "first_row", "logprobs", "topk_ids", "topk_logprobs", "hidden_states")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TEACHER_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_ROW_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOPK_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOPK_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    teacher: str
+    model: str
+    num_tokens: int
+    first_row: int
+    logprobs: Tensor
+    topk_ids: Tensor
+    topk_logprobs: Tensor
+    hidden_states: Tensor
+    def __init__(self, request_id: _Optional[str] = ..., teacher: _Optional[str] = ..., model: _Optional[str] = ..., num_tokens: _Optional[int] = ..., first_row: _Optional[int] = ..., logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., topk_ids: _Optional[_Union[Tensor, _Mapping]] = ..., topk_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class ScoreChunk(_message.Message):
+    __slots__ = ("request_id", "teacher", "model", "num_tokens", "first_row", "logprobs", "topk_ids", "topk_logprobs", "hidden_states", "last")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TEACHER_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_ROW_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOPK_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOPK_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    teacher: str
+    model: str
+    num_tokens: int
+    first_row: int
+    logprobs: Tensor
+    topk_ids: Tensor
+    topk_logprobs: Tensor
+    hidden_states: Tensor
+    last: bool
+    def __init__(self, request_id: _Optional[str] = ..., teacher: _Optional[str] = ..., model: _Optional[str] = ..., num_tokens: _Optional[int] = ..., first_row: _Optional[int] = ..., logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., topk_ids: _Optional[_Union[Tensor, _Mapping]] = ..., topk_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., last: _Optional[bool] = ...) -> None: ...
+
+class TeachersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReplicaInfo(_message.Message):
+    __slots__ = ("replica_id", "state", "devices", "node")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    state: str
+    devices: _containers.RepeatedScalarFieldContainer[str]
+    node: str
+    def __init__(self, replica_id: _Optional[str] = ..., state: _Optional[str] = ..., devices: _Optional[_Iterable[str]] = ..., node: _Optional[str] = ...) -> None: ...
+
+class TeacherInfo(_message.Message):
+    __slots__ = ("name", "model", "fingerprint", "vocab_size", "hidden_size", "max_model_len", "max_topk", "outputs", "replicas", "engine", "dtype", "keys", "media")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOPK_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    MEDIA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    model: str
+    fingerprint: str
+    vocab_size: int
+    hidden_size: int
+    max_model_len: int
+    max_topk: int
+    outputs: _containers.RepeatedScalarFieldContainer[str]
+    replicas: _containers.RepeatedCompositeFieldContainer[ReplicaInfo]
+    engine: str
+    dtype: str
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    media: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., model: _Optional[str] = ..., fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_topk: _Optional[int] = ..., outputs: _Optional[_Iterable[str]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., engine: _Optional[str] = ..., dtype: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., media: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class TeachersResponse(_message.Message):
+    __slots__ = ("teachers",)
+    TEACHERS_FIELD_NUMBER: _ClassVar[int]
+    teachers: _containers.RepeatedCompositeFieldContainer[TeacherInfo]
+    def __init__(self, teachers: _Optional[_Iterable[_Union[TeacherInfo, _Mapping]]] = ...) -> None: ...
+
+class UnembeddingRequest(_message.Message):
+    __slots__ = ("teacher_key",)
+    TEACHER_KEY_FIELD_NUMBER: _ClassVar[int]
+    teacher_key: str
+    def __init__(self, teacher_key: _Optional[str] = ...) -> None: ...
+
+class TensorChunk(_message.Message):
+    __slots__ = ("tensor", "full_shape", "fingerprint", "last")
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    FULL_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    tensor: Tensor
+    full_shape: _containers.RepeatedScalarFieldContainer[int]
+    fingerprint: str
+    last: bool
+    def __init__(self, tensor: _Optional[_Union[Tensor, _Mapping]] = ..., full_shape: _Optional[_Iterable[int]] = ..., fingerprint: _Optional[str] = ..., last: _Optional[bool] = ...) -> None: ...

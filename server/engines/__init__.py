@@ -1,0 +1,57 @@
+"""Teacher engines behind one protocol; `create_engine` picks one by its config name.
+
+Engines import lazily: vLLM and vLLM-Omni are optional extras and heavy to import.
+"""
+
+from __future__ import annotations
+
+from proctor.server.engines.base import (
+    EngineError,
+    EngineInfo,
+    EngineRequest,
+    EngineResult,
+    EngineSpec,
+    MediaItem,
+    MultiModalInputs,
+    TeacherEngine,
+)
+
+ENGINE_NAMES = ("torch", "vllm", "vllm_omni")
+
+
+class EngineConfigError(ValueError):
+    """A teacher's engine settings cannot work; the message says what to change."""
+
+
+def create_engine(spec: EngineSpec) -> TeacherEngine:
+    """Build (not start) the engine that spec names."""
+    if spec.name == "torch":
+        from proctor.server.engines.torch_engine import TorchEngine
+
+        return TorchEngine(spec)
+    if spec.name == "vllm":
+        from proctor.server.engines.vllm_engine import VllmEngine
+
+        return VllmEngine(spec)
+    if spec.name == "vllm_omni":
+        from proctor.server.engines.vllm_omni_engine import VllmOmniEngine
+
+        return VllmOmniEngine(spec)
+    raise EngineConfigError(
+        f"unknown engine {spec.name!r} (inference.name): choose one of {', '.join(ENGINE_NAMES)}"
+    )
+
+
+__all__ = [
+    "ENGINE_NAMES",
+    "EngineConfigError",
+    "EngineError",
+    "EngineInfo",
+    "EngineRequest",
+    "EngineResult",
+    "EngineSpec",
+    "MediaItem",
+    "MultiModalInputs",
+    "TeacherEngine",
+    "create_engine",
+]

@@ -1,0 +1,142 @@
+"""The engine protocol: what every teacher engine (torch, vLLM, vLLM-Omni) offers the service.
+
+An engine scores a *batch* of requests at once. The service hands it whatever it has
+batched; an engine with its own scheduler (vLLM) fans the batch out, the torch engine pads
+it into one forward pass. A batch is a list so that an engine can spot requests that share a
+prompt (the n responses of one GRPO group) and prefill that prompt once: `shared_prefix`
+groups such requests. Results follow the row convention of the wire contract: row i is about
+token i given tokens 0..i-1, rows `first_row..T-1` are returned.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class MediaItem:
+    """One encoded media item as the rollout sent it (bytes plus its media type)."""
+
+    data: bytes
+    media_type: str
+
+
+@dataclass(frozen=True)
+class MultiModalInputs:
+    """Media attached to a sequence; engines that take none refuse a non-empty one."""
+
+    images: tuple[MediaItem, ...] = ()
+    videos: tuple[MediaItem, ...] = ()
+    audios: tuple[MediaItem, ...] = ()
+    processor_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.images or self.videos or self.audios)
+
+    def kinds(self) -> list[str]:
+        return [name for name in ("images", "videos", "audios") if getattr(self, name)]
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One validated sequence to score."""
+
+    request_id: str
+    token_ids: torch.Tensor  # int64 [T]
+    first_row: int  # 1 <= first_row < T
+    logprobs: bool
+    topk: int
+    hidden_states: bool
+    media: MultiModalInputs | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def num_rows(self) -> int:
+        return self.num_tokens - self.first_row
+
+
+@dataclass
+class EngineResult:
+    """Outputs for rows first_row..T-1 (only those that were asked for are set)."""
+
+    first_row: int
+    logprobs: torch.Tensor | None = None  # float32 [R]
+    topk_ids: torch.Tensor | None = None  # int32 [R, K]
+    topk_logprobs: torch.Tensor | None = None  # float32 [R, K]
+    hidden_states: torch.Tensor | None = None  # [R, H], engine dtype
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the engine serves; the service validates requests against it."""
+
+    engine: str
+    model: str
+    fingerprint: str
+    vocab_size: int
+    hidden_size: int
+    max_model_len: int
+    max_topk: int
+    dtype: str
+    outputs: tuple[str, ...] = ("logprobs", "topk", "hidden_states", "unembedding")
+    media: tuple[str, ...] = ()
+
+
+class EngineError(RuntimeError):
+    """The engine failed on a batch; the service may retry it on another replica."""
+
+
+class TeacherEngine(abc.ABC):
+    """A loaded teacher model that scores batches of sequences."""
+
+    @abc.abstractmethod
+    def describe(self) -> EngineInfo:
+        """Static facts about the loaded teacher."""
+
+    @abc.abstractmethod
+    async def score(self, batch: list[EngineRequest]) -> list[EngineResult]:
+        """Score every request of the batch; results in the same order."""
+
+    @abc.abstractmethod
+    def unembedding(self) -> torch.Tensor:
+        """The teacher's lm_head weight [V, H] (for full-vocabulary losses)."""
+
+    def token_budget(self) -> int:
+        """Most tokens the engine wants in one batch (the service's batcher respects it)."""
+        return 8192
+
+    async def start(self) -> None:
+        """Load weights / start background workers (called once before serving)."""
+
+    async def close(self) -> None:
+        """Release devices and background workers."""
+
+    async def check_health(self) -> bool:
+        """Cheap liveness check used by the pool; engines with a sub-process override it."""
+        return True
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """How to build one replica of a teacher engine (from config or the CLI).
+
+    `inference` holds verl's `teacher_models.<name>.inference` settings as given
+    (tensor_model_parallel_size, max_model_len, max_num_batched_tokens, engine_kwargs, ...);
+    each engine reads what applies to it and validates it at startup.
+    """
+
+    name: str  # "torch" | "vllm" | "vllm_omni"
+    model_path: str
+    device: str = "cpu"  # "cpu" | "cuda" | "cuda:N" | "npu" | "npu:N"
+    dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
+    max_topk: int = 64
+    inference: dict[str, Any] = field(default_factory=dict)
+    # Devices the replica may use (ids as strings); the pool sets *_VISIBLE_DEVICES from them.
+    devices: tuple[str, ...] = ()

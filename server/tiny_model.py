@@ -1,0 +1,111 @@
+"""The built-in default teacher: a tiny Qwen-style causal LM made locally, no downloads.
+
+Weights are random from a fixed seed and the tokenizer is a byte-level BPE trained with the
+`tokenizers` library on a small built-in text, so the same directory comes out on every
+machine. It is what `proctor serve` serves when no model is given, what the demo distils
+from, and what the tests score against.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+DEFAULT_MODEL_DIR = Path.home() / ".cache" / "proctor" / "tiny-teacher"
+
+_CORPUS = """
+On-policy distillation trains a student on its own samples while a frozen teacher scores
+every token. The teacher replays the student's prompt and response in one forward pass and
+returns the log-probability of each token, its top candidates, or its last hidden states.
+Reinforcement learning with verifiable rewards, math problems, code, proofs and dialogue:
+the student explores, the teacher grades, and the loss pulls the two distributions closer.
+0 1 2 3 4 5 6 7 8 9 + - * / = ( ) [ ] { } < > , . ; : ! ? ' " # $ % & @ ^ _ ` | ~
+The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs.
+def score(tokens): return teacher(tokens).log_softmax(-1)
+User: what is 12 times 7? Assistant: 12 times 7 is 84.
+"""
+
+
+def build_tokenizer(vocab_size: int):
+    """A byte-level BPE tokenizer trained on the built-in corpus (deterministic)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE(unk_token=None))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=special,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+    )
+
+
+def make_tiny_model(
+    out_dir: str | Path = DEFAULT_MODEL_DIR,
+    *,
+    vocab_size: int = 512,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    max_position_embeddings: int = 4096,
+    seed: int = 0,
+    tie_word_embeddings: bool = False,
+) -> Path:
+    """Write a tiny Qwen2 causal LM (config, safetensors weights, tokenizer) to out_dir."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(vocab_size)
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    config.dtype = torch.float32
+    generator_state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        # The default init is near-uniform; widen it so the teacher has a peaked distribution.
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if param.dim() >= 2:
+                    param.normal_(0.0, 0.25 if name.startswith("lm_head") else 0.08)
+    finally:
+        torch.random.set_rng_state(generator_state)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    (out / "proctor_tiny.json").write_text(json.dumps({"seed": seed, "generator": "proctor.make_tiny_model"}))
+    return out
+
+
+def ensure_default_model(path: str | Path = DEFAULT_MODEL_DIR) -> Path:
+    """Build the default teacher once; later calls reuse the directory."""
+    out = Path(path)
+    if not (out / "config.json").exists() or not (out / "model.safetensors").exists():
+        make_tiny_model(out)
+    return out
