@@ -71,6 +71,9 @@ class EngineResult:
     topk_ids: torch.Tensor | None = None  # int32 [R, K]
     topk_logprobs: torch.Tensor | None = None  # float32 [R, K]
     hidden_states: torch.Tensor | None = None  # [R, H], engine dtype
+    # Set by the batcher: time spent waiting for a batch, and the batch's engine time.
+    queue_seconds: float = 0.0
+    engine_seconds: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,40 @@
+"""Bearer-token authentication shared by the gRPC and HTTP shells.
+
+The token is compared in constant time (hmac.compare_digest) so that response timing says
+nothing about how much of a guess was right.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+from pathlib import Path
+
+OPEN_PATHS = ("/health/live", "/health/ready", "/metrics")
+
+
+def load_token(token: str | None = None, token_file: str | None = None) -> str | None:
+    """Token from an argument, a file, or the PROCTOR_AUTH_TOKEN(_FILE) environment variables."""
+    token_file = token_file or os.environ.get("PROCTOR_AUTH_TOKEN_FILE")
+    if token:
+        return token
+    if token_file:
+        value = Path(token_file).read_text().strip()
+        if not value:
+            raise ValueError(f"auth token file {token_file} is empty")
+        return value
+    return os.environ.get("PROCTOR_AUTH_TOKEN") or None
+
+
+class TokenAuth:
+    def __init__(self, token: str | None) -> None:
+        self._expected = f"Bearer {token}".encode() if token else None
+
+    @property
+    def enabled(self) -> bool:
+        return self._expected is not None
+
+    def allows(self, authorization: str | None) -> bool:
+        if self._expected is None:
+            return True
+        return hmac.compare_digest((authorization or "").encode(), self._expected)

@@ -1,0 +1,123 @@
+"""Dynamic batching in front of one engine replica.
+
+Requests that arrive while the engine is busy wait in a queue; when the engine is free the
+batcher takes as many as fit the engine's token budget and scores them in one call. Under
+load this turns many small requests into few large forward passes; when idle, a lone
+request goes straight through (no timer to wait for). A request cancelled while waiting is
+dropped before it costs any compute.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+
+from proctor.server.engines.base import EngineRequest, EngineResult, TeacherEngine
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Pending:
+    request: EngineRequest
+    future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    queued_at: float = field(default_factory=time.monotonic)
+
+
+class Batcher:
+    """Feeds one engine with batches bounded by its token budget."""
+
+    def __init__(self, engine: TeacherEngine, *, max_batch_requests: int = 256) -> None:
+        self.engine = engine
+        self.max_batch_requests = max_batch_requests
+        self._queue: list[_Pending] = []
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self.batches = 0
+        self.running_requests = 0
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop(), name="proctor-batcher")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        for pending in self._queue:
+            if not pending.future.done():
+                pending.future.cancel()
+        self._queue.clear()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._queue)
+
+    async def submit(self, request: EngineRequest) -> EngineResult:
+        """Queue a request and wait for its result (cancelling the wait withdraws it)."""
+        self.start()
+        pending = _Pending(request)
+        self._queue.append(pending)
+        self._wakeup.set()
+        try:
+            return await asyncio.shield(pending.future)
+        except asyncio.CancelledError:
+            if not pending.future.done():
+                pending.future.cancel()
+            raise
+
+    def _take_batch(self) -> list[_Pending]:
+        budget = self.engine.token_budget()
+        batch: list[_Pending] = []
+        tokens = 0
+        keep: list[_Pending] = []
+        for pending in self._queue:
+            if pending.future.done():  # cancelled while waiting
+                continue
+            size = pending.request.num_tokens
+            fits = not batch or (tokens + size <= budget and len(batch) < self.max_batch_requests)
+            if fits and not keep:
+                batch.append(pending)
+                tokens += size
+            else:
+                keep.append(pending)
+        self._queue = keep
+        return batch
+
+    async def _loop(self) -> None:
+        while True:
+            if not self._queue:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+            batch = self._take_batch()
+            if not batch:
+                continue
+            self.batches += 1
+            self.running_requests = len(batch)
+            started = time.monotonic()
+            try:
+                results = await self.engine.score([p.request for p in batch])
+            except asyncio.CancelledError:
+                for pending in batch:
+                    if not pending.future.done():
+                        pending.future.cancel()
+                raise
+            except Exception as exc:  # the engine failed the whole batch: every caller hears why
+                log.warning("engine failed a batch of %d: %s", len(batch), exc)
+                for pending in batch:
+                    if not pending.future.done():
+                        pending.future.set_exception(exc)
+            else:
+                engine_seconds = time.monotonic() - started
+                for pending, result in zip(batch, results, strict=True):
+                    result.queue_seconds = started - pending.queued_at
+                    result.engine_seconds = engine_seconds
+                    if not pending.future.done():
+                        pending.future.set_result(result)
+            finally:
+                self.running_requests = 0

@@ -1,0 +1,78 @@
+"""Turn a scored request into wire messages: a unary response, stream chunks, or JSON.
+
+Both transports (and the protobuf flavour of HTTP) build their answers here, so the row
+convention and dtypes are decided in one place.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Iterator
+
+import torch
+
+from proctor.proto import encode_tensor, iter_row_chunks, scoring_pb2
+from proctor.server.service import Scored
+
+
+def _header(scored: Scored) -> dict:
+    return {
+        "request_id": scored.request_id,
+        "teacher": scored.teacher,
+        "model": scored.model,
+        "num_tokens": scored.num_tokens,
+        "first_row": scored.result.first_row,
+    }
+
+
+def _small_outputs(scored: Scored) -> dict:
+    result, first = scored.result, scored.result.first_row
+    out = {}
+    if result.logprobs is not None:
+        out["logprobs"] = encode_tensor(result.logprobs.float(), first_row=first)
+    if result.topk_ids is not None:
+        out["topk_ids"] = encode_tensor(result.topk_ids.to(torch.int32), first_row=first)
+        out["topk_logprobs"] = encode_tensor(result.topk_logprobs.float(), first_row=first)
+    return out
+
+
+def score_response(scored: Scored) -> scoring_pb2.ScoreResponse:
+    response = scoring_pb2.ScoreResponse(**_header(scored), **_small_outputs(scored))
+    if scored.result.hidden_states is not None:
+        response.hidden_states.CopyFrom(encode_tensor(scored.result.hidden_states, first_row=scored.result.first_row))
+    return response
+
+
+def score_chunks(scored: Scored, *, chunk_bytes: int = 2 << 20) -> Iterator[scoring_pb2.ScoreChunk]:
+    """Header and small outputs first, then hidden states in chunks of whole rows."""
+    header = _header(scored)
+    hidden = scored.result.hidden_states
+    pieces = list(iter_row_chunks(hidden, first_row=scored.result.first_row, target_bytes=chunk_bytes)) if hidden is not None else []
+    first = scoring_pb2.ScoreChunk(**header, **_small_outputs(scored), last=not pieces)
+    yield first
+    for index, piece in enumerate(pieces):
+        yield scoring_pb2.ScoreChunk(request_id=scored.request_id, hidden_states=piece, last=index == len(pieces) - 1)
+
+
+def _rows_with_nulls(values: torch.Tensor, first_row: int, num_tokens: int) -> list:
+    """All T rows for JSON: null where a row has no value (row 0, prompt rows)."""
+    return [None] * first_row + values.tolist() + [None] * (num_tokens - first_row - values.shape[0])
+
+
+def score_json(scored: Scored) -> dict:
+    result, first, total = scored.result, scored.result.first_row, scored.num_tokens
+    body: dict = {**_header(scored)}
+    if result.logprobs is not None:
+        body["logprobs"] = _rows_with_nulls(result.logprobs.float(), first, total)
+    if result.topk_ids is not None:
+        body["topk_ids"] = _rows_with_nulls(result.topk_ids, first, total)
+        body["topk_logprobs"] = _rows_with_nulls(result.topk_logprobs.float(), first, total)
+    if result.hidden_states is not None:
+        wire = encode_tensor(result.hidden_states, first_row=first)
+        body["hidden_states"] = {
+            "dtype": wire.dtype,
+            "shape": list(wire.shape),
+            "first_row": first,
+            "data": base64.b64encode(wire.data).decode("ascii"),
+        }
+    return body

@@ -1,0 +1,163 @@
+"""The plain PyTorch teacher: a transformers causal LM, exact, on CPU, CUDA or Ascend NPU.
+
+A batch becomes one right-padded forward pass through the decoder body; the `lm_head` then
+runs only on the rows that were asked for (response rows), in row chunks, so that a long
+prompt costs no `[T, V]` logits and a large vocabulary never needs all rows' logits at once.
+Right padding leaves every real position's result unchanged (causal attention never looks
+right), so batching changes results only by float rounding.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from pathlib import Path
+
+import torch
+
+from proctor.server.engines.base import (
+    EngineError,
+    EngineInfo,
+    EngineRequest,
+    EngineResult,
+    EngineSpec,
+    TeacherEngine,
+)
+from proctor.server.fingerprint import model_fingerprint
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Rows of logits materialised at once in the lm_head step (bounds memory for large vocabularies).
+_LOGIT_ROWS = 2048
+
+
+def resolve_device(device: str) -> torch.device:
+    """Turn "cpu" / "cuda[:N]" / "npu[:N]" into a torch device, importing torch_npu if needed."""
+    if device.startswith("npu"):
+        try:
+            import torch_npu  # noqa: F401  (registers the "npu" device type)
+        except ImportError as exc:
+            raise EngineError("device 'npu' needs torch-npu: pip install 'proctor[npu]'") from exc
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise EngineError(f"device {device!r} asked for, but CUDA is not available")
+    return torch.device(device)
+
+
+class TorchEngine(TeacherEngine):
+    """A transformers model in this process; one forward pass per batch, on a worker thread."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        self.spec = spec
+        self._model = None
+        self._info: EngineInfo | None = None
+        self._lock = threading.Lock()
+        self.forward_passes = 0  # observable batching: how many forward passes ran
+        inference = spec.inference or {}
+        self._max_model_len = inference.get("max_model_len")
+        self._budget = int(inference.get("max_num_batched_tokens") or 16384)
+
+    # -- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        await asyncio.to_thread(self._load)
+
+    def _load(self) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        path = Path(self.spec.model_path)
+        if not (path / "config.json").exists():
+            raise EngineError(f"model_path {str(path)!r} is not a model directory (no config.json)")
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        dtype = _DTYPES.get(self.spec.dtype) or getattr(config, "dtype", None) or torch.float32
+        if isinstance(dtype, str):
+            dtype = _DTYPES.get(dtype, torch.float32)
+        device = resolve_device(self.spec.device)
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+        model.to(device).eval()
+        self._model = model
+        max_len = int(self._max_model_len or getattr(config, "max_position_embeddings", 4096))
+        self._info = EngineInfo(
+            engine="torch",
+            model=path.name,
+            fingerprint=model_fingerprint(path),
+            vocab_size=int(model.get_output_embeddings().weight.shape[0]),
+            hidden_size=int(model.get_output_embeddings().weight.shape[1]),
+            max_model_len=max_len,
+            max_topk=self.spec.max_topk,
+            dtype=str(dtype).removeprefix("torch."),
+        )
+        log.info("torch engine loaded %s on %s (%s)", path, device, dtype)
+
+    async def close(self) -> None:
+        self._model = None
+
+    # -- protocol --------------------------------------------------------------------------
+    def describe(self) -> EngineInfo:
+        if self._info is None:
+            raise EngineError("engine not started")
+        return self._info
+
+    def token_budget(self) -> int:
+        return self._budget
+
+    def unembedding(self) -> torch.Tensor:
+        if self._model is None:
+            raise EngineError("engine not started")
+        return self._model.get_output_embeddings().weight.detach().to("cpu")
+
+    async def score(self, batch: list[EngineRequest]) -> list[EngineResult]:
+        for request in batch:
+            if request.media:
+                raise EngineError(
+                    f"the torch engine serves text-only teachers; request {request.request_id!r} "
+                    f"carries {', '.join(request.media.kinds())}: use inference.name=vllm_omni"
+                )
+        return await asyncio.to_thread(self._score_sync, batch)
+
+    # -- the forward pass ------------------------------------------------------------------
+    def _score_sync(self, batch: list[EngineRequest]) -> list[EngineResult]:
+        model = self._model
+        if model is None:
+            raise EngineError("engine not started")
+        device = next(model.parameters()).device
+        lengths = [r.num_tokens for r in batch]
+        width = max(lengths)
+        ids = torch.zeros((len(batch), width), dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, request in enumerate(batch):
+            ids[row, : request.num_tokens] = request.token_ids
+            mask[row, : request.num_tokens] = 1
+        with self._lock, torch.inference_mode():
+            self.forward_passes += 1
+            body = model.get_decoder()
+            hidden = body(input_ids=ids.to(device), attention_mask=mask.to(device)).last_hidden_state
+            return [self._rows(model, hidden[i], request) for i, request in enumerate(batch)]
+
+    def _rows(self, model, hidden: torch.Tensor, request: EngineRequest) -> EngineResult:
+        """Outputs for rows first_row..T-1 from the post-norm hidden states of one sequence."""
+        start, end = request.first_row - 1, request.num_tokens - 1
+        states = hidden[start:end]  # position i-1 produces row i
+        result = EngineResult(first_row=request.first_row)
+        if request.hidden_states:
+            result.hidden_states = states.to("cpu").clone()
+        if not (request.logprobs or request.topk):
+            return result
+        targets = request.token_ids[request.first_row :].to(states.device)
+        head = model.get_output_embeddings()
+        logprob_parts, id_parts, topk_parts = [], [], []
+        for lo in range(0, states.shape[0], _LOGIT_ROWS):
+            logits = head(states[lo : lo + _LOGIT_ROWS]).float()
+            logp = torch.log_softmax(logits, dim=-1)
+            if request.logprobs:
+                logprob_parts.append(logp.gather(1, targets[lo : lo + _LOGIT_ROWS, None]).squeeze(1))
+            if request.topk:
+                values, indices = torch.topk(logp, request.topk, dim=-1)
+                topk_parts.append(values)
+                id_parts.append(indices.to(torch.int32))
+        if request.logprobs:
+            result.logprobs = torch.cat(logprob_parts).cpu()
+        if request.topk:
+            result.topk_logprobs = torch.cat(topk_parts).cpu()
+            result.topk_ids = torch.cat(id_parts).cpu()
+        return result

@@ -1,0 +1,59 @@
+"""A stable digest of a model directory, so a client can tell that two answers (or an
+answer and a cached unembedding) came from the same teacher weights and tokenizer.
+
+Small files are hashed whole. Weight files of more than `full_hash_limit` bytes are hashed by
+their size, their safetensors header (names, dtypes, shapes, offsets) and evenly spaced
+samples of their contents: reading a 60 GB checkpoint at every start would cost minutes,
+while any re-trained or re-quantised checkpoint changes the header or the sampled bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+_META_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "preprocessor_config.json",
+    "chat_template.jinja",
+)
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
+_SAMPLE_BYTES = 1 << 20
+_SAMPLES = 16
+
+
+def _hash_large(path: Path, digest: "hashlib._Hash") -> None:
+    size = path.stat().st_size
+    digest.update(str(size).encode())
+    with path.open("rb") as handle:
+        if path.suffix == ".safetensors":
+            header_len = int.from_bytes(handle.read(8), "little")
+            digest.update(handle.read(min(header_len, 64 << 20)))
+        for index in range(_SAMPLES):
+            handle.seek(max(0, (size - _SAMPLE_BYTES) * index // max(1, _SAMPLES - 1)))
+            digest.update(handle.read(_SAMPLE_BYTES))
+
+
+def model_fingerprint(model_dir: str | Path, *, full_hash_limit: int = 1 << 30) -> str:
+    """sha256 (hex, 16 chars) over the config, tokenizer and weights of model_dir."""
+    root = Path(model_dir)
+    digest = hashlib.sha256()
+    files = sorted(
+        p for p in root.iterdir() if p.is_file() and (p.name in _META_FILES or p.suffix in _WEIGHT_SUFFIXES)
+    )
+    for path in files:
+        digest.update(path.name.encode())
+        if path.suffix in _WEIGHT_SUFFIXES and path.stat().st_size > full_hash_limit:
+            _hash_large(path, digest)
+        else:
+            with path.open("rb") as handle:
+                for block in iter(lambda h=handle: h.read(8 << 20), b""):
+                    digest.update(block)
+    return digest.hexdigest()[:16]

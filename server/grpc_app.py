@@ -1,0 +1,185 @@
+"""The gRPC shell (grpc.aio): decode, call the service, encode; errors become statuses.
+
+Also serves `grpc.health.v1` (overall and per service; NOT_SERVING while loading or
+draining) and server reflection. A bearer token, when configured, is checked by an
+interceptor for the scoring service only; health and reflection stay open for probes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+
+from proctor.proto import encode_tensor, scoring_pb2, scoring_pb2_grpc
+from proctor.server.auth import TokenAuth
+from proctor.server.encoding import score_chunks, score_response
+from proctor.server.errors import Code, ScoringError
+from proctor.server.service import ScoringService
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = scoring_pb2.DESCRIPTOR.services_by_name["TeacherScoring"].full_name
+
+
+async def _abort(context: grpc.aio.ServicerContext, error: ScoringError) -> None:
+    metadata = []
+    if error.retry_after is not None:
+        metadata.append(("retry-after", f"{error.retry_after:g}"))
+        metadata.append(("grpc-retry-pushback-ms", str(int(error.retry_after * 1000))))
+    if metadata:
+        context.set_trailing_metadata(tuple(metadata))
+    await context.abort(error.code.grpc_status, error.message)
+
+
+def _deadline(context: grpc.aio.ServicerContext) -> float | None:
+    remaining = context.time_remaining()
+    return None if remaining is None else max(0.0, remaining)
+
+
+class TeacherScoringServicer(scoring_pb2_grpc.TeacherScoringServicer):
+    def __init__(self, service: ScoringService, *, max_message_bytes: int, stream_chunk_bytes: int) -> None:
+        self.service = service
+        self.max_message_bytes = max_message_bytes
+        self.stream_chunk_bytes = stream_chunk_bytes
+
+    def _check_unary_size(self, request: scoring_pb2.ScoreRequest) -> None:
+        """Refuse up front a unary answer that could not fit in one message."""
+        if not request.hidden_states:
+            return
+        teacher = self.service.router.route(request.teacher_key)
+        info = teacher.info
+        rows = max(0, len(request.token_ids) - (request.prompt_length if request.HasField("prompt_length") else 1))
+        size = rows * info.hidden_size * 4
+        if size > self.max_message_bytes // 2:
+            raise ScoringError(
+                Code.INVALID_ARGUMENT,
+                f"hidden_states: about {size >> 20} MiB of hidden states do not fit one message; use ScoreStream",
+                field="hidden_states",
+            )
+
+    async def Score(self, request, context):
+        try:
+            self._check_unary_size(request)
+            scored = await self.service.score(request, timeout=_deadline(context))
+        except ScoringError as error:
+            await _abort(context, error)
+        response = score_response(scored)
+        self.service.record_bytes(scored, response.ByteSize())
+        return response
+
+    async def ScoreStream(self, request, context) -> AsyncIterator[scoring_pb2.ScoreChunk]:
+        try:
+            scored = await self.service.score(request, timeout=_deadline(context))
+        except ScoringError as error:
+            await _abort(context, error)
+            return
+        for chunk in score_chunks(scored, chunk_bytes=self.stream_chunk_bytes):
+            self.service.record_bytes(scored, chunk.ByteSize())
+            yield chunk
+
+    async def ListTeachers(self, request, context):
+        return scoring_pb2.TeachersResponse(teachers=self.service.teacher_infos())
+
+    async def GetUnembedding(self, request, context) -> AsyncIterator[scoring_pb2.TensorChunk]:
+        try:
+            weight, fingerprint = self.service.unembedding(request.teacher_key)
+        except ScoringError as error:
+            await _abort(context, error)
+            return
+        from proctor.proto import iter_row_chunks
+
+        pieces = list(iter_row_chunks(weight, target_bytes=self.stream_chunk_bytes))
+        for index, piece in enumerate(pieces):
+            yield scoring_pb2.TensorChunk(
+                tensor=piece, full_shape=list(weight.shape), fingerprint=fingerprint, last=index == len(pieces) - 1
+            )
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Rejects scoring calls without the right bearer token; other services pass."""
+
+    def __init__(self, auth: TokenAuth) -> None:
+        self.auth = auth
+
+        async def deny(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token (authorization metadata)")
+
+        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
+        self._deny_stream = grpc.unary_stream_rpc_method_handler(deny)
+
+    async def intercept_service(self, continuation, handler_call_details):
+        method = handler_call_details.method
+        if not self.auth.enabled or not method.startswith(f"/{SERVICE_NAME}/"):
+            return await continuation(handler_call_details)
+        metadata = dict(handler_call_details.invocation_metadata or ())
+        if self.auth.allows(metadata.get("authorization")):
+            return await continuation(handler_call_details)
+        handler = await continuation(handler_call_details)
+        if handler is not None and handler.response_streaming:
+            return self._deny_stream
+        return self._deny_unary
+
+
+class GrpcServer:
+    """Owns the grpc.aio server, its health servicer and the port it bound."""
+
+    def __init__(
+        self,
+        service: ScoringService,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        auth: TokenAuth | None = None,
+        max_message_bytes: int = 64 << 20,
+        stream_chunk_bytes: int = 2 << 20,
+        tls: tuple[bytes, bytes, bytes | None] | None = None,
+    ) -> None:
+        self.service = service
+        self.health = health_aio.HealthServicer()
+        options = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ]
+        self.server = grpc.aio.server(interceptors=[AuthInterceptor(auth or TokenAuth(None))], options=options)
+        scoring_pb2_grpc.add_TeacherScoringServicer_to_server(
+            TeacherScoringServicer(service, max_message_bytes=max_message_bytes, stream_chunk_bytes=stream_chunk_bytes),
+            self.server,
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        from grpc_reflection.v1alpha import reflection
+
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            self.server,
+        )
+        address = f"{host}:{port}"
+        if tls is not None:
+            cert, key, client_ca = tls
+            credentials = grpc.ssl_server_credentials(
+                [(key, cert)], root_certificates=client_ca, require_client_auth=client_ca is not None
+            )
+            self.port = self.server.add_secure_port(address, credentials)
+        else:
+            self.port = self.server.add_insecure_port(address)
+        if self.port == 0:
+            raise OSError(f"gRPC could not bind {address}")
+
+    async def start(self) -> None:
+        await self.server.start()
+        await self.set_serving(False)
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        await self.health.set("", status)
+        await self.health.set(SERVICE_NAME, status)
+
+    async def stop(self, grace: float | None = None) -> None:
+        await self.server.stop(grace)
+
+
+__all__ = ["GrpcServer", "encode_tensor"]

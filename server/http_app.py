@@ -1,0 +1,242 @@
+"""The HTTP shell (FastAPI): JSON for small requests, protobuf bodies for the same messages.
+
+`POST /v1/score` takes `application/json` or `application/x-protobuf` and answers in the
+request's format unless `Accept` asks for the other. Errors are `{"error": {"code",
+"message", "field"}}` with the contract's status codes; 429/503 carry `Retry-After`.
+A client that disconnects cancels its request, which then leaves the queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import json
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from google.protobuf.message import DecodeError
+
+from proctor.proto import scoring_pb2
+from proctor.server.auth import OPEN_PATHS, TokenAuth
+from proctor.server.encoding import score_json, score_response
+from proctor.server.errors import Code, ScoringError, invalid
+from proctor.server.service import ScoringService
+
+PROTOBUF = "application/x-protobuf"
+TIMEOUT_HEADER = "x-request-timeout"
+_JSON_FIELDS = {
+    "request_id": str,
+    "teacher_key": str,
+    "token_ids": list,
+    "prompt_length": int,
+    "logprobs": bool,
+    "topk": int,
+    "hidden_states": bool,
+    "images": list,
+    "videos": list,
+    "audios": list,
+    "mm_processor_kwargs": (dict, str),
+}
+
+
+def error_response(error: ScoringError) -> JSONResponse:
+    headers = {}
+    if error.retry_after is not None:
+        headers["Retry-After"] = str(max(1, round(error.retry_after)))
+        headers["X-Retry-After-Ms"] = str(int(error.retry_after * 1000))
+    body = {"error": {"code": error.code.name, "message": error.message, "field": error.field}}
+    return JSONResponse(body, status_code=error.code.http_status, headers=headers)
+
+
+def _media_from_json(items: list, field: str) -> list[scoring_pb2.Media]:
+    out = []
+    for index, item in enumerate(items):
+        if not isinstance(item, dict) or "data" not in item or "media_type" not in item:
+            raise invalid(f"{field}[{index}]", 'must be {"data": <base64>, "media_type": "..."}')
+        try:
+            data = base64.b64decode(item["data"], validate=True)
+        except (binascii.Error, TypeError) as exc:
+            raise invalid(f"{field}[{index}].data", "is not valid base64") from exc
+        out.append(scoring_pb2.Media(data=data, media_type=str(item["media_type"])))
+    return out
+
+
+def request_from_json(body: Any) -> scoring_pb2.ScoreRequest:
+    """Strictly typed JSON -> ScoreRequest; unknown or mistyped fields are named in the error."""
+    if not isinstance(body, dict):
+        raise invalid("body", "must be a JSON object")
+    for key, value in body.items():
+        if key not in _JSON_FIELDS:
+            raise invalid(key, f"unknown field (known: {', '.join(_JSON_FIELDS)})")
+        expected = _JSON_FIELDS[key]
+        if value is None:
+            continue
+        if expected is int and (isinstance(value, bool) or not isinstance(value, int)):
+            raise invalid(key, f"must be an integer, got {type(value).__name__}")
+        if expected is not int and not isinstance(value, expected):
+            raise invalid(key, f"has the wrong type {type(value).__name__}")
+    ids = body.get("token_ids")
+    if ids is None:
+        raise invalid("token_ids", "is required")
+    if any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
+        raise invalid("token_ids", "must be a list of integers")
+    if any(not -(2**31) <= t < 2**31 for t in ids):
+        raise invalid("token_ids", "has a value outside the int32 range")
+    request = scoring_pb2.ScoreRequest(
+        request_id=body.get("request_id") or "",
+        teacher_key=body.get("teacher_key") or "",
+        token_ids=ids,
+        logprobs=bool(body.get("logprobs", True)),
+        topk=int(body.get("topk") or 0),
+        hidden_states=bool(body.get("hidden_states", False)),
+    )
+    if body.get("prompt_length") is not None:
+        if not -(2**31) <= body["prompt_length"] < 2**31:
+            raise invalid("prompt_length", "is outside the int32 range")
+        request.prompt_length = body["prompt_length"]
+    if not -(2**31) <= request.topk < 2**31:
+        raise invalid("topk", "is outside the int32 range")
+    for field in ("images", "videos", "audios"):
+        if body.get(field):
+            getattr(request, field).extend(_media_from_json(body[field], field))
+    kwargs = body.get("mm_processor_kwargs")
+    if kwargs:
+        request.mm_processor_kwargs = kwargs if isinstance(kwargs, str) else json.dumps(kwargs)
+    return request
+
+
+def _timeout(request: Request) -> float | None:
+    raw = request.headers.get(TIMEOUT_HEADER)
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError as exc:
+        raise invalid(TIMEOUT_HEADER, f"must be seconds as a number, got {raw!r}") from exc
+    if value != value or value < 0:
+        raise invalid(TIMEOUT_HEADER, "must be a non-negative number of seconds")
+    return value
+
+
+async def _until_disconnected(request: Request) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(0.05)
+
+
+def create_app(
+    service: ScoringService,
+    *,
+    auth: TokenAuth | None = None,
+    max_body_bytes: int = 64 << 20,
+    open_paths: tuple[str, ...] = OPEN_PATHS,
+) -> FastAPI:
+    auth = auth or TokenAuth(None)
+    app = FastAPI(title="proctor", version="1", summary="Teacher scoring for on-policy distillation")
+
+    @app.middleware("http")
+    async def check_token(request: Request, call_next):
+        if auth.enabled and request.url.path not in open_paths and not auth.allows(request.headers.get("authorization")):
+            return error_response(ScoringError(Code.UNAUTHENTICATED, "missing or invalid bearer token (Authorization header)"))
+        return await call_next(request)
+
+    @app.post(
+        "/v1/score",
+        summary="Score one sequence with a teacher",
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/json": {"schema": {"type": "object", "properties": {
+                        "teacher_key": {"type": "string"},
+                        "token_ids": {"type": "array", "items": {"type": "integer"}},
+                        "prompt_length": {"type": "integer"},
+                        "logprobs": {"type": "boolean"},
+                        "topk": {"type": "integer"},
+                        "hidden_states": {"type": "boolean"},
+                        "request_id": {"type": "string"},
+                    }, "required": ["token_ids"]}},
+                    PROTOBUF: {"schema": {"type": "string", "format": "binary"}},
+                },
+            }
+        },
+    )
+    async def score(request: Request) -> Response:
+        try:
+            declared = request.headers.get("content-length")
+            if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
+                raise ScoringError(Code.PAYLOAD_TOO_LARGE, f"body: {declared} bytes exceed the limit of {max_body_bytes}", field="body")
+            raw = await request.body()
+            if len(raw) > max_body_bytes:
+                raise ScoringError(Code.PAYLOAD_TOO_LARGE, f"body: {len(raw)} bytes exceed the limit of {max_body_bytes}", field="body")
+            content_type = request.headers.get("content-type", "application/json").split(";")[0].strip()
+            if content_type == PROTOBUF:
+                message = scoring_pb2.ScoreRequest()
+                try:
+                    message.ParseFromString(raw)
+                except DecodeError as exc:
+                    raise invalid("body", "is not a valid ScoreRequest protobuf") from exc
+            elif content_type in ("application/json", ""):
+                try:
+                    body = json.loads(raw)
+                except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                    raise invalid("body", f"is not valid JSON ({exc})") from exc
+                message = request_from_json(body)
+            else:
+                raise invalid("content-type", f"{content_type!r} is not supported: use application/json or {PROTOBUF}")
+            timeout = _timeout(request)
+            task = asyncio.ensure_future(service.score(message, timeout=timeout))
+            watcher = asyncio.ensure_future(_until_disconnected(request))
+            try:
+                await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                watcher.cancel()
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, ScoringError):
+                    await task
+                return Response(status_code=499)
+            scored = task.result()
+        except ScoringError as error:
+            return error_response(error)
+        wants_protobuf = PROTOBUF in request.headers.get("accept", "") or (
+            content_type == PROTOBUF and "application/json" not in request.headers.get("accept", "")
+        )
+        if wants_protobuf:
+            payload = score_response(scored).SerializeToString()
+            service.record_bytes(scored, len(payload))
+            return Response(payload, media_type=PROTOBUF)
+        payload = json.dumps(score_json(scored), separators=(",", ":")).encode()
+        service.record_bytes(scored, len(payload))
+        return Response(payload, media_type="application/json")
+
+    @app.get("/v1/teachers", summary="The teachers this server scores with")
+    async def teachers() -> dict:
+        from google.protobuf.json_format import MessageToDict
+
+        return {
+            "teachers": [
+                MessageToDict(info, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+                for info in service.teacher_infos()
+            ]
+        }
+
+    @app.get("/health/live", summary="The process is up")
+    async def live() -> dict:
+        return {"status": "live", "state": service.state.value}
+
+    @app.get("/health/ready", summary="Every teacher has a healthy replica and the server admits work")
+    async def ready() -> Response:
+        if service.ready():
+            return JSONResponse({"status": "ready"})
+        return JSONResponse({"status": "not ready", "state": service.state.value}, status_code=503)
+
+    @app.get("/metrics", summary="Prometheus metrics")
+    async def metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(service.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,187 @@
+"""Runs a scoring service behind both transports in one event loop, and drains it on SIGTERM.
+
+One process and one loop own the service, so admission counts and metrics are exact and the
+gRPC and HTTP servers share the same batches. `ProctorServer` is what `proctor serve` runs;
+`ServerThread` runs one in a background thread (tests, benchmarks, the demo).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import threading
+from dataclasses import dataclass, field
+
+import uvicorn
+
+from proctor.server.auth import TokenAuth
+from proctor.server.engines import EngineSpec, create_engine
+from proctor.server.grpc_app import GrpcServer
+from proctor.server.http_app import create_app
+from proctor.server.routing import Replica, Router, Teacher
+from proctor.server.service import Limits, ScoringService
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerOptions:
+    host: str = "127.0.0.1"
+    grpc_port: int = 50051
+    http_port: int = 8000
+    auth_token: str | None = None
+    max_message_bytes: int = 64 << 20
+    stream_chunk_bytes: int = 2 << 20
+    drain_grace_s: float = 30.0
+    limits: Limits = field(default_factory=Limits)
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_client_ca_file: str | None = None
+    open_paths: tuple[str, ...] = ("/health/live", "/health/ready", "/metrics")
+
+
+def single_teacher_router(spec: EngineSpec, *, name: str = "default", replicas: int = 1) -> Router:
+    """A router over one teacher with `replicas` in-process engine replicas."""
+
+    def factory_for(replica_spec: EngineSpec):
+        async def build():
+            return create_engine(replica_spec)
+
+        return build
+
+    return Router(
+        [Teacher(name, [Replica(f"{name}-{i}", factory_for(spec)) for i in range(replicas)])]
+    )
+
+
+class ProctorServer:
+    """The service plus its gRPC and HTTP servers, started and stopped together."""
+
+    def __init__(self, router: Router, options: ServerOptions) -> None:
+        self.options = options
+        self.service = ScoringService(router, limits=options.limits)
+        auth = TokenAuth(options.auth_token)
+        tls = None
+        if options.tls_cert_file and options.tls_key_file:
+            client_ca = open(options.tls_client_ca_file, "rb").read() if options.tls_client_ca_file else None
+            tls = (open(options.tls_cert_file, "rb").read(), open(options.tls_key_file, "rb").read(), client_ca)
+        self.grpc = GrpcServer(
+            self.service,
+            host=options.host,
+            port=options.grpc_port,
+            auth=auth,
+            max_message_bytes=options.max_message_bytes,
+            stream_chunk_bytes=options.stream_chunk_bytes,
+            tls=tls,
+        )
+        app = create_app(self.service, auth=auth, max_body_bytes=options.max_message_bytes, open_paths=options.open_paths)
+        ssl = {}
+        if options.tls_cert_file and options.tls_key_file:
+            ssl = {"ssl_certfile": options.tls_cert_file, "ssl_keyfile": options.tls_key_file}
+            if options.tls_client_ca_file:
+                import ssl as ssl_module
+
+                ssl.update(ssl_ca_certs=options.tls_client_ca_file, ssl_cert_reqs=ssl_module.CERT_REQUIRED)
+        self._http_socket = socket.socket(socket.AF_INET6 if ":" in options.host else socket.AF_INET)
+        self._http_socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._http_socket.bind((options.host, options.http_port))
+        self.http_port = self._http_socket.getsockname()[1]
+        config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=5, **ssl)
+        self.http = uvicorn.Server(config)
+        self.http.install_signal_handlers = lambda: None  # we own the signals
+        self._http_task: asyncio.Task | None = None
+        self.stopped = asyncio.Event()
+
+    @property
+    def grpc_port(self) -> int:
+        return self.grpc.port
+
+    async def start(self) -> None:
+        await self.grpc.start()
+        self._http_task = asyncio.get_running_loop().create_task(self.http.serve(sockets=[self._http_socket]))
+        await self.service.start()
+        await self.grpc.set_serving(True)
+        log.info("proctor serving: gRPC %s:%d, HTTP %s:%d", self.options.host, self.grpc_port,
+                 self.options.host, self.http_port)
+
+    async def drain_and_stop(self, grace_s: float | None = None) -> bool:
+        """Stop admitting, finish in-flight requests (up to grace_s), then stop everything."""
+        grace = self.options.drain_grace_s if grace_s is None else grace_s
+        await self.grpc.set_serving(False)
+        finished = await self.service.drain(grace)
+        await self.stop()
+        return finished
+
+    async def stop(self) -> None:
+        await self.grpc.set_serving(False)
+        await self.grpc.stop(1.0)
+        self.http.should_exit = True
+        if self._http_task is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._http_task, timeout=10)
+        await self.service.stop()
+        self.stopped.set()
+
+    async def serve_forever(self) -> int:
+        """Run until SIGTERM/SIGINT; then drain. Returns the process exit code."""
+        loop = asyncio.get_running_loop()
+        stop_requested = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, stop_requested.set)
+        await self.start()
+        await stop_requested.wait()
+        log.info("signal received: draining (grace %.0fs)", self.options.drain_grace_s)
+        finished = await self.drain_and_stop()
+        if not finished:
+            log.warning("grace period over with requests still in flight")
+        return 0
+
+
+class ServerThread:
+    """A ProctorServer on its own event loop in a daemon thread (tests, demo, benchmarks)."""
+
+    def __init__(self, router: Router, options: ServerOptions) -> None:
+        self._router = router
+        self._options = options
+        self.loop = asyncio.new_event_loop()
+        self.server: ProctorServer | None = None
+        self._thread = threading.Thread(target=self.loop.run_forever, name="proctor-server", daemon=True)
+
+    def start(self, timeout: float = 300) -> ServerThread:
+        self._thread.start()
+
+        async def boot():
+            self.server = ProctorServer(self._router, self._options)
+            await self.server.start()
+
+        asyncio.run_coroutine_threadsafe(boot(), self.loop).result(timeout)
+        return self
+
+    def call(self, coro, timeout: float = 300):
+        """Run a coroutine on the server's loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    @property
+    def grpc_target(self) -> str:
+        return f"{self._options.host}:{self.server.grpc_port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self._options.host}:{self.server.http_port}"
+
+    def stop(self) -> None:
+        if self.server is not None:
+            with contextlib.suppress(Exception):
+                self.call(self.server.stop(), timeout=60)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
