@@ -1,0 +1,39 @@
+"""Distillation losses for on-policy distillation (trainer side; torch only).
+
+Every loss returns a float32 per-token tensor ``[N]``, differentiable in the
+student inputs; masking and reduction are separate (``aggregate``). The
+vocabulary-wide losses run on one chunking core (``chunking``) so that neither
+the student's nor the teacher's ``[N, V]`` logits are ever materialised when
+both sides are given as hidden states and unembeddings.
+
+Families: ``sampled_kl`` (single-sample estimators), ``topk_kl`` (teacher's
+top-k), ``full_vocab_kl`` (exact, from teacher hidden states), plus the
+verl-compatible ``distillation_loss`` entry point.
+"""
+
+from .aggregate import AGG_MODES, aggregate
+from .chunking import Chunking
+from .distillation import DistillationOutput, distillation_loss
+from .full_vocab import full_vocab_kl
+from .metrics import loss_metrics
+from .sampled import SAMPLED_MODES, sampled_kl
+from .settings import HIDDEN_STATE_MODES, LOSS_MODES, TOPK_MODES, LossSettings
+from .topk import topk_kl, topk_masses
+
+__all__ = [
+    "AGG_MODES",
+    "HIDDEN_STATE_MODES",
+    "LOSS_MODES",
+    "SAMPLED_MODES",
+    "TOPK_MODES",
+    "Chunking",
+    "DistillationOutput",
+    "LossSettings",
+    "aggregate",
+    "distillation_loss",
+    "full_vocab_kl",
+    "loss_metrics",
+    "sampled_kl",
+    "topk_kl",
+    "topk_masses",
+]

@@ -1,0 +1,211 @@
+"""The shared chunking core: tiles of logits that never add up to ``[N, V]``.
+
+Every vocabulary-wide loss in this package walks tokens in chunks of
+``chunk_tokens`` and the vocabulary in chunks of ``chunk_vocab``. A *logit
+source* produces one float32 tile ``[chunk_tokens, chunk_vocab]`` of
+temperature-scaled logits at a time, either from a fused ``(hidden, weight)``
+pair (a small matmul per tile) or by slicing given ``[N, V]`` logits, and takes
+back the gradient of the loss with respect to that tile, contracting it at once
+into ``grad_hidden`` / ``grad_weight`` accumulators. Per-token softmax
+normalisers are built with an online (streaming) log-sum-exp, so the extra
+memory of a pass is a handful of tiles, whatever N and V are.
+
+Everything is accumulated in float32 whatever the input dtype: bf16 logits over
+a 150k vocabulary lose the loss in rounding otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+# A tile of 2^21 float32 elements is 8 MiB; a pass holds a few of them at once.
+DEFAULT_TILE_ELEMENTS = 1 << 21
+DEFAULT_CHUNK_TOKENS = 1024
+MIN_CHUNK_VOCAB = 256
+
+
+@dataclass(frozen=True)
+class Chunking:
+    """Tile shape for one loss call."""
+
+    chunk_tokens: int
+    chunk_vocab: int
+
+    @staticmethod
+    def resolve(num_tokens: int, vocab: int, chunk_tokens: int | None, chunk_vocab: int | None) -> Chunking:
+        """Pick tile sizes: given values win; otherwise fill a fixed element budget.
+
+        The budget keeps extra memory constant in N and V; tokens come first
+        because a tall tile keeps the ``grad_weight`` contraction (whose inner
+        dimension is the token count) efficient.
+        """
+        ct = chunk_tokens if chunk_tokens is not None else min(max(num_tokens, 1), DEFAULT_CHUNK_TOKENS)
+        if chunk_vocab is None:
+            chunk_vocab = max(MIN_CHUNK_VOCAB, DEFAULT_TILE_ELEMENTS // max(ct, 1))
+        return Chunking(ct, min(chunk_vocab, max(vocab, 1)))
+
+    def token_chunks(self, num_tokens: int) -> Iterator[tuple[int, int]]:
+        """Yield ``(start, stop)`` of each token chunk; the last one may be short."""
+        for t0 in range(0, num_tokens, self.chunk_tokens):
+            yield t0, min(t0 + self.chunk_tokens, num_tokens)
+
+    def vocab_chunks(self, vocab: int) -> Iterator[tuple[int, int]]:
+        """Yield ``(start, stop)`` of each vocabulary chunk; the last one may be short."""
+        for v0 in range(0, vocab, self.chunk_vocab):
+            yield v0, min(v0 + self.chunk_vocab, vocab)
+
+    def single_vocab_chunk(self, vocab: int) -> bool:
+        """True when one tile spans the vocabulary, so a second pass can reuse it."""
+        return self.chunk_vocab >= vocab
+
+
+class RowBlock:
+    """One token chunk of a logit source: produces tiles, takes tile gradients."""
+
+    def tile(self, v0: int, v1: int) -> torch.Tensor:  # pragma: no cover - interface
+        """Float32 scaled logits ``[rows, v1 - v0]``; a fresh tensor the caller may overwrite."""
+        raise NotImplementedError
+
+    def add_grad(self, v0: int, v1: int, grad_tile: torch.Tensor) -> None:  # pragma: no cover
+        """Accumulate ``dL/d(scaled logits)`` of a tile into the source's gradients."""
+        raise NotImplementedError
+
+
+class FusedSource:
+    """Logits ``(hidden @ weight.T) / temperature`` computed one tile at a time.
+
+    Gradients (when requested) go to float32 accumulators ``grad_hidden [N, H]``
+    and ``grad_weight [V, H]``: those are the size of the inputs, never ``[N, V]``.
+    """
+
+    def __init__(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        inv_tau: float,
+        grad_hidden: bool = False,
+        grad_weight: bool = False,
+    ) -> None:
+        self.hidden = hidden
+        self.weight = weight
+        self.inv_tau = inv_tau
+        self.num_tokens, self.vocab = hidden.shape[0], weight.shape[0]
+        dev = hidden.device
+        self.grad_hidden = (
+            torch.zeros(hidden.shape, dtype=torch.float32, device=dev) if grad_hidden else None
+        )
+        self.grad_weight = (
+            torch.zeros(weight.shape, dtype=torch.float32, device=dev) if grad_weight else None
+        )
+        self._w32 = weight if weight.dtype == torch.float32 else None
+
+    def weight_rows(self, v0: int, v1: int) -> torch.Tensor:
+        """Float32 rows ``weight[v0:v1]`` (a view when the weight already is float32)."""
+        if self._w32 is not None:
+            return self._w32[v0:v1]
+        return self.weight[v0:v1].float()
+
+    def rows(self, t0: int, t1: int) -> _FusedRows:
+        """The token chunk ``[t0, t1)``."""
+        return _FusedRows(self, t0, t1)
+
+
+class _FusedRows(RowBlock):
+    def __init__(self, src: FusedSource, t0: int, t1: int) -> None:
+        self.src, self.t0, self.t1 = src, t0, t1
+        h = src.hidden[t0:t1].float()
+        # Scaling the [rows, H] hidden is cheaper than scaling each [rows, C] tile.
+        self.h_scaled = h * src.inv_tau if src.inv_tau != 1.0 else h
+
+    def tile(self, v0: int, v1: int) -> torch.Tensor:
+        return self.h_scaled @ self.src.weight_rows(v0, v1).T
+
+    def add_grad(self, v0: int, v1: int, grad_tile: torch.Tensor) -> None:
+        src = self.src
+        if src.grad_hidden is not None:
+            # d/dh of (h / tau) @ W.T: G @ W / tau.
+            src.grad_hidden[self.t0 : self.t1].addmm_(grad_tile, src.weight_rows(v0, v1), alpha=src.inv_tau)
+        if src.grad_weight is not None:
+            # d/dW: G.T @ (h / tau), which is exactly the scaled hidden we hold.
+            src.grad_weight[v0:v1].addmm_(grad_tile.T, self.h_scaled)
+
+
+class DenseSource:
+    """Given logits ``[N, V]`` sliced into tiles; the gradient is ``[N, V]`` by nature."""
+
+    def __init__(self, logits: torch.Tensor, inv_tau: float, grad_logits: bool = False) -> None:
+        self.logits = logits
+        self.inv_tau = inv_tau
+        self.num_tokens, self.vocab = logits.shape
+        self.grad_logits = (
+            torch.zeros(logits.shape, dtype=torch.float32, device=logits.device) if grad_logits else None
+        )
+
+    def rows(self, t0: int, t1: int) -> _DenseRows:
+        """The token chunk ``[t0, t1)``."""
+        return _DenseRows(self, t0, t1)
+
+
+class _DenseRows(RowBlock):
+    def __init__(self, src: DenseSource, t0: int, t1: int) -> None:
+        self.src, self.t0, self.t1 = src, t0, t1
+
+    def tile(self, v0: int, v1: int) -> torch.Tensor:
+        # Always a copy: callers transform tiles in place.
+        out = self.src.logits[self.t0 : self.t1, v0:v1].to(torch.float32, copy=True)
+        if self.src.inv_tau != 1.0:
+            out.mul_(self.src.inv_tau)
+        return out
+
+    def add_grad(self, v0: int, v1: int, grad_tile: torch.Tensor) -> None:
+        g = self.src.grad_logits
+        if g is not None:
+            g[self.t0 : self.t1, v0:v1].add_(grad_tile, alpha=self.src.inv_tau)
+
+
+LogitSource = FusedSource | DenseSource
+
+
+class OnlineLogSumExp:
+    """Streaming per-row log-sum-exp over vocabulary tiles.
+
+    Optionally also streams ``Σ_v e^{x_v} · y_v`` for a paired tile ``y``, which
+    gives ``E_{softmax(x)}[y]`` at the end: that is how the forward and reverse
+    KL are obtained in the same single pass that builds the normalisers.
+    """
+
+    def __init__(self, rows: int, device: torch.device, with_expectation: bool = False) -> None:
+        self.max = torch.full((rows,), float("-inf"), dtype=torch.float32, device=device)
+        self.sum = torch.zeros(rows, dtype=torch.float32, device=device)
+        self.weighted = torch.zeros(rows, dtype=torch.float32, device=device) if with_expectation else None
+
+    def update(self, x: torch.Tensor, y: torch.Tensor | None = None) -> None:
+        """Fold one tile ``x [rows, C]`` (and its paired values ``y``) into the running state."""
+        new_max = torch.maximum(self.max, x.amax(dim=1))
+        alpha = torch.exp(self.max - new_max)
+        e = torch.exp(x - new_max[:, None])
+        self.sum.mul_(alpha).add_(e.sum(dim=1))
+        if self.weighted is not None:
+            assert y is not None
+            self.weighted.mul_(alpha).add_((e * y).sum(dim=1))
+        self.max = new_max
+
+    def logsumexp(self) -> torch.Tensor:
+        """Final per-row ``log Σ_v e^{x_v}``."""
+        return self.max + torch.log(self.sum)
+
+    def expectation(self) -> torch.Tensor:
+        """Final per-row ``Σ_v softmax(x)_v · y_v``."""
+        assert self.weighted is not None
+        return self.weighted / self.sum
+
+
+def stream_logsumexp(block: RowBlock, rows: int, vocab: int, chunking: Chunking, device) -> torch.Tensor:
+    """Per-row log-sum-exp of a source's token chunk, one vocabulary tile at a time."""
+    acc = OnlineLogSumExp(rows, device)
+    for v0, v1 in chunking.vocab_chunks(vocab):
+        acc.update(block.tile(v0, v1))
+    return acc.logsumexp()

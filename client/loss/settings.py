@@ -1,0 +1,153 @@
+"""The ``distillation_loss`` settings, read from verl/verl-omni configs and validated in one place.
+
+Accepts verl's ``distillation.distillation_loss`` block (a dict, an OmegaConf
+node or a dataclass-like object with attributes), or the enclosing
+``distillation`` block. Validation follows verl and verl-omni, with messages
+that say what to change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from .aggregate import AGG_MODES
+from .sampled import SAMPLED_MODES
+
+TOPK_MODES = ("forward_kl_topk", "topk_reverse_kl", "topk_jsd")
+HIDDEN_STATE_MODES = ("nitrobrew", "nitrobrew_reverse_kl", "full_jsd")
+LOSS_MODES = SAMPLED_MODES + TOPK_MODES + HIDDEN_STATE_MODES
+
+# verl keys that configure its PPO machinery, not the per-token loss: accepted and unused.
+_VERL_KEYS_IGNORED = frozenset(
+    {
+        "clip_ratio",
+        "clip_ratio_low",
+        "clip_ratio_high",
+        "global_batch_info",
+        "loss_settings",
+        "use_chunked_topk",
+        "chunked_topk_chunk_size",
+        "_target_",
+    }
+)
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """Everything ``distillation_loss`` reads from the config; defaults are verl's."""
+
+    loss_mode: str = "k3"
+    topk: int | None = 128
+    use_task_rewards: bool = True
+    distillation_loss_coef: float = 1.0
+    loss_max_clamp: float | None = 10.0
+    log_prob_min_clamp: float | None = -10.0
+    use_policy_gradient: bool = True
+    policy_loss_mode: str = "vanilla"
+    # verl-omni
+    kd_temperature: float = 1.0
+    # proctor
+    jsd_beta: float = 0.5
+    loss_agg_mode: str = "token-mean"
+    chunk_tokens: int | None = None
+    chunk_vocab: int | None = None
+    # LoongSage-style mixing
+    pg_ratio: float | None = None
+    gkd_ratio: float | None = None
+
+    @property
+    def is_topk(self) -> bool:
+        return self.loss_mode in TOPK_MODES
+
+    @property
+    def is_hidden_state(self) -> bool:
+        return self.loss_mode in HIDDEN_STATE_MODES
+
+    @property
+    def is_sampled(self) -> bool:
+        return self.loss_mode in SAMPLED_MODES
+
+    @property
+    def coefficient(self) -> float:
+        """verl applies ``distillation_loss_coef`` only alongside task rewards."""
+        return float(self.distillation_loss_coef) if self.use_task_rewards else 1.0
+
+    def validate(self) -> None:
+        """Raise with a message that says what to change."""
+        if self.loss_mode not in LOSS_MODES:
+            raise ValueError(f"loss_mode must be one of {LOSS_MODES}, got {self.loss_mode!r}")
+        if self.policy_loss_mode != "vanilla":
+            raise NotImplementedError(
+                "Only vanilla policy loss is currently supported when use_policy_gradient is True, "
+                f"but got {self.policy_loss_mode}."
+            )
+        if not self.use_policy_gradient and self.loss_mode == "k1":
+            raise ValueError(
+                "Directly backpropagating k1 loss is incorrect since gradient of k1 loss"
+                " wrt model weights does not depend on teacher log probabilities."
+                " Set use_policy_gradient=true or pick another loss_mode (e.g. k3)."
+            )
+        if self.use_policy_gradient and self.is_hidden_state:
+            raise ValueError(
+                f"loss_mode={self.loss_mode!r} is a full-vocabulary loss and must be backpropagated "
+                "as a supervised loss so the whole-vocabulary signal reaches the student. "
+                "Set distillation.distillation_loss.use_policy_gradient=false."
+            )
+        if self.is_topk and (not isinstance(self.topk, int) or isinstance(self.topk, bool) or self.topk <= 0):
+            raise ValueError(f"topk must be a positive int for loss_mode={self.loss_mode!r}, got {self.topk!r}")
+        if self.loss_max_clamp is not None and not float(self.loss_max_clamp) > 0:
+            raise ValueError(f"loss_max_clamp must be positive or null, got {self.loss_max_clamp}")
+        if not float(self.kd_temperature) > 0:
+            raise ValueError(f"kd_temperature must be positive, got {self.kd_temperature}")
+        if not 0.0 <= float(self.jsd_beta) <= 1.0:
+            raise ValueError(f"jsd_beta must lie in [0, 1], got {self.jsd_beta}")
+        if self.gkd_ratio is not None and not 0.0 <= float(self.gkd_ratio) <= 1.0:
+            raise ValueError(f"gkd_ratio must lie in [0, 1], got {self.gkd_ratio}")
+        if self.pg_ratio is not None and not float(self.pg_ratio) >= 0.0:
+            raise ValueError(f"pg_ratio must be non-negative, got {self.pg_ratio}")
+        if self.gkd_ratio is not None and self.use_policy_gradient:
+            raise ValueError(
+                "gkd_ratio mixes a supervised GKD loss into the RL loss; set use_policy_gradient=false "
+                "to use it (or use pg_ratio to scale the policy-gradient penalty)."
+            )
+        if self.loss_agg_mode not in AGG_MODES:
+            raise ValueError(f"loss_agg_mode must be one of {AGG_MODES}, got {self.loss_agg_mode!r}")
+
+    @classmethod
+    def from_config(cls, config: Any) -> LossSettings:
+        """Read a dict / OmegaConf node / attribute object; unknown dict keys are an error."""
+        if isinstance(config, LossSettings):
+            config.validate()
+            return config
+        block = _get(config, "distillation_loss", None)
+        if block is not None and _get(config, "loss_mode", None) is None:
+            config = block
+        names = {f.name for f in fields(cls)}
+        values: dict[str, Any] = {}
+        if isinstance(config, Mapping) or hasattr(config, "keys"):
+            for key in config.keys():
+                key = str(key)
+                if key in names:
+                    values[key] = config[key]
+                elif key not in _VERL_KEYS_IGNORED:
+                    raise ValueError(
+                        f"unknown distillation_loss setting {key!r}; known settings: {sorted(names)}"
+                    )
+        else:
+            for name in names:
+                if hasattr(config, name):
+                    values[name] = getattr(config, name)
+        settings = cls(**values)
+        settings.validate()
+        return settings
+
+
+def _get(config: Any, key: str, default: Any) -> Any:
+    if isinstance(config, Mapping) or hasattr(config, "keys"):
+        try:
+            return config[key] if key in config else default
+        except TypeError:
+            return default
+    return getattr(config, key, default)

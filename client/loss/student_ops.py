@@ -1,0 +1,140 @@
+"""Two chunked, differentiable student-side primitives that the top-k losses compose.
+
+* ``student_logsumexp``: the full-vocabulary log-normaliser of the student's
+  temperature-scaled logits, streamed over tiles; its backward recomputes each
+  tile and contracts ``grad · softmax`` straight into ``grad_hidden`` /
+  ``grad_weight``.
+* ``student_logits_at``: the scaled logits at given ids ``[N, K]``; with a fused
+  student this is a row-wise dot product with gathered weight rows, done in
+  token sub-chunks so the gathered ``[rows, K, H]`` block stays within budget.
+
+With both, ``log p_S(id) = logits_at(id) - logsumexp`` is exact and autograd only
+ever sees ``[N]`` and ``[N, K]`` tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .chunking import DEFAULT_TILE_ELEMENTS, Chunking, DenseSource, FusedSource, stream_logsumexp
+
+
+class _StudentLogSumExp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, logits, inv_tau: float, chunking: Chunking):
+        src = FusedSource(hidden, weight, inv_tau) if logits is None else DenseSource(logits, inv_tau)
+        dev = (logits if logits is not None else hidden).device
+        lse = torch.empty(src.num_tokens, dtype=torch.float32, device=dev)
+        for t0, t1 in chunking.token_chunks(src.num_tokens):
+            lse[t0:t1] = stream_logsumexp(src.rows(t0, t1), t1 - t0, src.vocab, chunking, dev)
+        ctx.save_for_backward(hidden, weight, logits, lse)
+        ctx.inv_tau, ctx.chunking = inv_tau, chunking
+        return lse
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, logits, lse = ctx.saved_tensors
+        needs = ctx.needs_input_grad[:3]
+        if not any(needs):
+            return None, None, None, None, None
+        if logits is None:
+            src = FusedSource(hidden, weight, ctx.inv_tau, grad_hidden=needs[0], grad_weight=needs[1])
+        else:
+            src = DenseSource(logits, ctx.inv_tau, grad_logits=needs[2])
+        g = grad_out.float()
+        for t0, t1 in ctx.chunking.token_chunks(src.num_tokens):
+            gc = g[t0:t1, None]
+            if not bool(gc.any()):
+                continue
+            block = src.rows(t0, t1)
+            for v0, v1 in ctx.chunking.vocab_chunks(src.vocab):
+                # d lse / d a = softmax(a).
+                p = block.tile(v0, v1).sub_(lse[t0:t1, None]).exp_()
+                block.add_grad(v0, v1, p.mul_(gc))
+        if isinstance(src, DenseSource):
+            gl = src.grad_logits
+            return None, None, (gl.to(logits.dtype) if gl is not None else None), None, None
+        gh, gw = src.grad_hidden, src.grad_weight
+        return (
+            gh.to(hidden.dtype) if gh is not None else None,
+            gw.to(weight.dtype) if gw is not None else None,
+            None,
+            None,
+            None,
+        )
+
+
+def student_logsumexp(
+    hidden: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    logits: torch.Tensor | None,
+    inv_tau: float,
+    chunking: Chunking,
+) -> torch.Tensor:
+    """Float32 ``[N]`` log-sum-exp of the scaled student logits; differentiable."""
+    return _StudentLogSumExp.apply(hidden, weight, logits, inv_tau, chunking)
+
+
+class _FusedLogitsAt(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, ids, inv_tau: float):
+        n, k = ids.shape
+        h_dim = hidden.shape[1]
+        out = torch.empty(n, k, dtype=torch.float32, device=hidden.device)
+        step = _rows_per_gather(k, h_dim)
+        for t0 in range(0, n, step):
+            t1 = min(t0 + step, n)
+            w_rows = weight[ids[t0:t1]].float()  # [rows, K, H]
+            h = hidden[t0:t1].float().unsqueeze(2)  # [rows, H, 1]
+            out[t0:t1] = torch.bmm(w_rows, h).squeeze(2)
+        if inv_tau != 1.0:
+            out.mul_(inv_tau)
+        ctx.save_for_backward(hidden, weight, ids)
+        ctx.inv_tau = inv_tau
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, ids = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[:2]
+        g = grad_out.float() * ctx.inv_tau  # [N, K]
+        n, k = ids.shape
+        h_dim = hidden.shape[1]
+        grad_h = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        step = _rows_per_gather(k, h_dim)
+        for t0 in range(0, n, step):
+            t1 = min(t0 + step, n)
+            gc = g[t0:t1]
+            if grad_h is not None:
+                w_rows = weight[ids[t0:t1]].float()  # [rows, K, H]
+                grad_h[t0:t1] = torch.bmm(gc.unsqueeze(1), w_rows).squeeze(1)
+            if grad_w is not None:
+                contrib = gc.unsqueeze(2) * hidden[t0:t1].float().unsqueeze(1)  # [rows, K, H]
+                grad_w.index_add_(0, ids[t0:t1].reshape(-1), contrib.reshape(-1, h_dim))
+        return (
+            grad_h.to(hidden.dtype) if grad_h is not None else None,
+            grad_w.to(weight.dtype) if grad_w is not None else None,
+            None,
+            None,
+        )
+
+
+def _rows_per_gather(k: int, h_dim: int) -> int:
+    """Token rows per gathered ``[rows, K, H]`` block, within the tile budget."""
+    return max(1, DEFAULT_TILE_ELEMENTS // max(1, k * h_dim))
+
+
+def student_logits_at(
+    hidden: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    logits: torch.Tensor | None,
+    ids: torch.Tensor,
+    inv_tau: float,
+) -> torch.Tensor:
+    """Float32 ``[N, K]`` scaled student logits at ``ids``; differentiable."""
+    ids = ids.to(torch.long)
+    if logits is not None:
+        out = logits.gather(1, ids).float()
+        return out * inv_tau if inv_tau != 1.0 else out
+    return _FusedLogitsAt.apply(hidden, weight, ids, inv_tau)
