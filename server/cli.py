@@ -1,0 +1,149 @@
+"""The `proctor` command: serve a teacher, score from the shell, build the tiny teacher, demo.
+
+This is the one module that may compose the server and the trainer side: `proctor demo`
+imports `proctor.trainer_adapter` inside its command only, so the server package itself
+never depends on the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Proctor: teacher scoring for on-policy distillation.")
+
+
+def _logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if verbose:
+        logging.getLogger("proctor").setLevel(logging.INFO)
+
+
+@app.command()
+def serve(
+    model: Optional[Path] = typer.Option(None, help="Local Hugging Face model directory (default: the built-in tiny teacher)."),
+    engine: str = typer.Option("torch", help="torch | vllm | vllm_omni"),
+    config: Optional[Path] = typer.Option(None, help="YAML with verl's `distillation:` block and a `server:` block."),
+    host: str = typer.Option("127.0.0.1", help="Address to bind (0.0.0.0 to accept other machines)."),
+    grpc_port: int = typer.Option(50051, help="gRPC port (0: any free port)."),
+    http_port: int = typer.Option(8000, help="HTTP port (0: any free port)."),
+    device: str = typer.Option("cpu", help="cpu | cuda[:N] | npu[:N]"),
+    dtype: str = typer.Option("auto", help="auto | float32 | bfloat16 | float16"),
+    max_topk: int = typer.Option(64, help="Largest top-k a request may ask for."),
+    max_model_len: Optional[int] = typer.Option(None, help="Longest sequence (default: the model's)."),
+    replicas: int = typer.Option(1, help="In-process replicas of the teacher."),
+    teacher_name: str = typer.Option("default", help="Name (and routing key) of the teacher."),
+    auth_token_file: Optional[Path] = typer.Option(None, help="File holding the bearer token required on scoring calls."),
+    verbose: bool = typer.Option(True, help="Log at INFO."),
+) -> None:
+    """Serve a teacher over gRPC and HTTP until SIGTERM (then drain and exit 0)."""
+    from proctor.server.auth import load_token
+    from proctor.server.engines import EngineSpec
+    from proctor.server.runtime import ProctorServer, ServerOptions, single_teacher_router
+    from proctor.server.tiny_model import ensure_default_model
+
+    _logging(verbose)
+    if config is not None:
+        from proctor.server.config import load_server_config
+
+        router, options = load_server_config(config, host=host if host != "127.0.0.1" else None)
+    else:
+        path = model or ensure_default_model()
+        inference = {"max_model_len": max_model_len} if max_model_len else {}
+        spec = EngineSpec(name=engine, model_path=str(path), device=device, dtype=dtype, max_topk=max_topk, inference=inference)
+        router = single_teacher_router(spec, name=teacher_name, replicas=replicas)
+        options = ServerOptions(host=host, grpc_port=grpc_port, http_port=http_port,
+                                auth_token=load_token(token_file=str(auth_token_file) if auth_token_file else None))
+
+    async def main() -> int:
+        server = ProctorServer(router, options)
+        print(f"proctor: gRPC on {options.host}:{server.grpc_port}, HTTP on {options.host}:{server.http_port}", flush=True)
+        return await server.serve_forever()
+
+    sys.exit(asyncio.run(main()))
+
+
+@app.command()
+def score(
+    ids: Optional[str] = typer.Option(None, help="Comma-separated token ids."),
+    text: Optional[str] = typer.Option(None, help="Text to tokenize with --tokenizer."),
+    tokenizer: Optional[Path] = typer.Option(None, help="Tokenizer directory for --text (default: the tiny teacher)."),
+    target: str = typer.Option("grpc://127.0.0.1:50051", help="grpc://host:port or http://host:port"),
+    teacher_key: str = typer.Option("", help="Routing key (optional with one teacher)."),
+    prompt_length: Optional[int] = typer.Option(None, help="First response position."),
+    topk: int = typer.Option(5, help="Top-k per row (0: none)."),
+    token: Optional[str] = typer.Option(None, envvar="PROCTOR_AUTH_TOKEN", help="Bearer token."),
+) -> None:
+    """Score token ids or text against a running server and print a table."""
+    from proctor.server.score_cli import format_table, score_once, tokenize
+
+    if (ids is None) == (text is None):
+        raise typer.BadParameter("give exactly one of --ids or --text")
+    tok = None
+    if text is not None:
+        tok, token_ids = tokenize(text, tokenizer)
+    else:
+        try:
+            token_ids = [int(x) for x in ids.split(",") if x.strip()]
+        except ValueError as exc:
+            raise typer.BadParameter(f"--ids must be comma-separated integers: {exc}") from exc
+    result = score_once(target, token_ids, teacher_key=teacher_key, prompt_length=prompt_length, topk=topk, token=token)
+    typer.echo(format_table(token_ids, result, tok))
+
+
+@app.command("make-tiny-model")
+def make_tiny_model_cmd(
+    out_dir: Path = typer.Argument(..., help="Directory to write the model into."),
+    vocab_size: int = typer.Option(512),
+    hidden_size: int = typer.Option(64),
+    num_layers: int = typer.Option(2),
+    seed: int = typer.Option(0),
+) -> None:
+    """Build the built-in tiny teacher (random weights from a seed, a locally built tokenizer)."""
+    from proctor.server.tiny_model import make_tiny_model
+
+    path = make_tiny_model(out_dir, vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers, seed=seed)
+    typer.echo(f"tiny teacher written to {path}")
+
+
+@app.command()
+def quickstart(transport_demo: bool = typer.Option(True, hidden=True)) -> None:
+    """Start the tiny teacher, score a few sequences through gRPC and HTTP, print them."""
+    from proctor.server.quickstart import run_quickstart
+
+    run_quickstart()
+
+
+@app.command("check-config")
+def check_config(config: Path = typer.Argument(..., help="YAML config to check.")) -> None:
+    """Print the resolved plan (teachers, replicas, devices) or every problem found."""
+    from proctor.server.config import check_config_command
+
+    raise typer.Exit(check_config_command(config))
+
+
+@app.command()
+def demo(
+    steps: int = typer.Option(30, help="Training steps."),
+    loss: str = typer.Option("full_forward_kl", help="k1 | k3 | forward_kl_topk | full_forward_kl | full_reverse_kl | full_jsd"),
+    transport: str = typer.Option("grpc", help="grpc | http"),
+    out: Path = typer.Option(Path("out"), help="Folder for the loss plot and log."),
+    seed: int = typer.Option(0),
+) -> None:
+    """On-policy distillation on the CPU: a noisy student learns from the tiny teacher."""
+    from proctor.trainer_adapter.demo import run_demo
+
+    raise typer.Exit(run_demo(steps=steps, loss=loss, transport=transport, out=out, seed=seed))
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

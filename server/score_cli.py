@@ -1,0 +1,93 @@
+"""`proctor score`: one request from the shell, printed as a table a person can read.
+
+It speaks the wire contract directly (stubs for gRPC, JSON for HTTP) rather than through
+the trainer-side client, so the server package keeps no dependency on the client.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import httpx
+
+from proctor.proto import decode_tensor, scoring_pb2, scoring_pb2_grpc
+
+
+@dataclass
+class RowScores:
+    first_row: int
+    logprobs: list[float]
+    topk_ids: list[list[int]]
+    topk_logprobs: list[list[float]]
+    teacher: str
+
+
+def tokenize(text: str, tokenizer_dir: Path | None):
+    from transformers import AutoTokenizer
+
+    from proctor.server.tiny_model import ensure_default_model
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir or ensure_default_model()), local_files_only=True)
+    return tok, tok(text)["input_ids"]
+
+
+def score_once(
+    target: str,
+    token_ids: list[int],
+    *,
+    teacher_key: str = "",
+    prompt_length: int | None = None,
+    topk: int = 5,
+    token: str | None = None,
+) -> RowScores:
+    """Score one sequence on a grpc:// or http:// target."""
+    if target.startswith("http://") or target.startswith("https://"):
+        body = {"token_ids": token_ids, "teacher_key": teacher_key, "logprobs": True, "topk": topk}
+        if prompt_length is not None:
+            body["prompt_length"] = prompt_length
+        headers = {"authorization": f"Bearer {token}"} if token else {}
+        reply = httpx.post(target.rstrip("/") + "/v1/score", json=body, headers=headers, timeout=60)
+        data = reply.json()
+        if reply.status_code != 200:
+            raise SystemExit(f"error {reply.status_code}: {data['error']['message']}")
+        first = data["first_row"]
+        return RowScores(first, data["logprobs"][first:], (data.get("topk_ids") or [])[first:] if topk else [],
+                         (data.get("topk_logprobs") or [])[first:] if topk else [], data["teacher"])
+    address = target.removeprefix("grpc://")
+    request = scoring_pb2.ScoreRequest(token_ids=token_ids, teacher_key=teacher_key, logprobs=True, topk=topk)
+    if prompt_length is not None:
+        request.prompt_length = prompt_length
+    metadata = (("authorization", f"Bearer {token}"),) if token else None
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = scoring_pb2_grpc.TeacherScoringStub(channel).Score(request, metadata=metadata, timeout=60)
+        except grpc.RpcError as exc:
+            raise SystemExit(f"error {exc.code().name}: {exc.details()}") from exc
+    return RowScores(
+        reply.first_row,
+        decode_tensor(reply.logprobs).tolist(),
+        decode_tensor(reply.topk_ids).tolist() if topk else [],
+        decode_tensor(reply.topk_logprobs).tolist() if topk else [],
+        reply.teacher,
+    )
+
+
+def format_table(token_ids: list[int], scores: RowScores, tokenizer=None) -> str:
+    """pos | token | log-prob | top candidates, one line per scored row."""
+
+    def show(token_id: int) -> str:
+        if tokenizer is None:
+            return str(token_id)
+        return f"{token_id}:{tokenizer.decode([token_id])!r}"
+
+    lines = [f"teacher {scores.teacher}: rows {scores.first_row}..{len(token_ids) - 1}",
+             f"{'pos':>4}  {'token':<18} {'logprob':>9}  top-k"]
+    for offset, logprob in enumerate(scores.logprobs):
+        pos = scores.first_row + offset
+        top = ""
+        if scores.topk_ids:
+            top = "  ".join(f"{show(i)}({lp:.2f})" for i, lp in zip(scores.topk_ids[offset], scores.topk_logprobs[offset]))
+        lines.append(f"{pos:>4}  {show(token_ids[pos]):<18} {logprob:>9.4f}  {top}")
+    return "\n".join(lines)
