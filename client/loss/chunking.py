@@ -10,8 +10,9 @@ into ``grad_hidden`` / ``grad_weight`` accumulators. Per-token softmax
 normalisers are built with an online (streaming) log-sum-exp, so the extra
 memory of a pass is a handful of tiles, whatever N and V are.
 
-Everything is accumulated in float32 whatever the input dtype: bf16 logits over
-a 150k vocabulary lose the loss in rounding otherwise.
+Everything is accumulated in float32 whatever the input dtype (bf16 logits over
+a 150k vocabulary lose the loss in rounding otherwise), or in float64 when the
+inputs are float64 (so that ``gradcheck`` can check the kernels themselves).
 """
 
 from __future__ import annotations
@@ -25,6 +26,11 @@ import torch
 DEFAULT_TILE_ELEMENTS = 1 << 21
 DEFAULT_CHUNK_TOKENS = 1024
 MIN_CHUNK_VOCAB = 256
+
+
+def compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
+    """float64 if any input is float64, else float32: never accumulate below float32."""
+    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
 @dataclass(frozen=True)
@@ -66,7 +72,7 @@ class RowBlock:
     """One token chunk of a logit source: produces tiles, takes tile gradients."""
 
     def tile(self, v0: int, v1: int) -> torch.Tensor:  # pragma: no cover - interface
-        """Float32 scaled logits ``[rows, v1 - v0]``; a fresh tensor the caller may overwrite."""
+        """Scaled logits in the compute dtype ``[rows, v1 - v0]``; a fresh tensor the caller may overwrite."""
         raise NotImplementedError
 
     def add_grad(self, v0: int, v1: int, grad_tile: torch.Tensor) -> None:  # pragma: no cover
@@ -88,25 +94,20 @@ class FusedSource:
         inv_tau: float,
         grad_hidden: bool = False,
         grad_weight: bool = False,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
         self.hidden = hidden
         self.weight = weight
         self.inv_tau = inv_tau
+        self.dtype = dtype
         self.num_tokens, self.vocab = hidden.shape[0], weight.shape[0]
         dev = hidden.device
-        self.grad_hidden = (
-            torch.zeros(hidden.shape, dtype=torch.float32, device=dev) if grad_hidden else None
-        )
-        self.grad_weight = (
-            torch.zeros(weight.shape, dtype=torch.float32, device=dev) if grad_weight else None
-        )
-        self._w32 = weight if weight.dtype == torch.float32 else None
+        self.grad_hidden = torch.zeros(hidden.shape, dtype=dtype, device=dev) if grad_hidden else None
+        self.grad_weight = torch.zeros(weight.shape, dtype=dtype, device=dev) if grad_weight else None
 
     def weight_rows(self, v0: int, v1: int) -> torch.Tensor:
-        """Float32 rows ``weight[v0:v1]`` (a view when the weight already is float32)."""
-        if self._w32 is not None:
-            return self._w32[v0:v1]
-        return self.weight[v0:v1].float()
+        """Rows ``weight[v0:v1]`` in the compute dtype (a view when no cast is needed)."""
+        return self.weight[v0:v1].to(self.dtype)
 
     def rows(self, t0: int, t1: int) -> _FusedRows:
         """The token chunk ``[t0, t1)``."""
@@ -116,7 +117,7 @@ class FusedSource:
 class _FusedRows(RowBlock):
     def __init__(self, src: FusedSource, t0: int, t1: int) -> None:
         self.src, self.t0, self.t1 = src, t0, t1
-        h = src.hidden[t0:t1].float()
+        h = src.hidden[t0:t1].to(src.dtype)
         # Scaling the [rows, H] hidden is cheaper than scaling each [rows, C] tile.
         self.h_scaled = h * src.inv_tau if src.inv_tau != 1.0 else h
 
@@ -136,13 +137,14 @@ class _FusedRows(RowBlock):
 class DenseSource:
     """Given logits ``[N, V]`` sliced into tiles; the gradient is ``[N, V]`` by nature."""
 
-    def __init__(self, logits: torch.Tensor, inv_tau: float, grad_logits: bool = False) -> None:
+    def __init__(
+        self, logits: torch.Tensor, inv_tau: float, grad_logits: bool = False, dtype: torch.dtype = torch.float32
+    ) -> None:
         self.logits = logits
         self.inv_tau = inv_tau
+        self.dtype = dtype
         self.num_tokens, self.vocab = logits.shape
-        self.grad_logits = (
-            torch.zeros(logits.shape, dtype=torch.float32, device=logits.device) if grad_logits else None
-        )
+        self.grad_logits = torch.zeros(logits.shape, dtype=dtype, device=logits.device) if grad_logits else None
 
     def rows(self, t0: int, t1: int) -> _DenseRows:
         """The token chunk ``[t0, t1)``."""
@@ -155,7 +157,7 @@ class _DenseRows(RowBlock):
 
     def tile(self, v0: int, v1: int) -> torch.Tensor:
         # Always a copy: callers transform tiles in place.
-        out = self.src.logits[self.t0 : self.t1, v0:v1].to(torch.float32, copy=True)
+        out = self.src.logits[self.t0 : self.t1, v0:v1].to(self.src.dtype, copy=True)
         if self.src.inv_tau != 1.0:
             out.mul_(self.src.inv_tau)
         return out
@@ -177,10 +179,12 @@ class OnlineLogSumExp:
     KL are obtained in the same single pass that builds the normalisers.
     """
 
-    def __init__(self, rows: int, device: torch.device, with_expectation: bool = False) -> None:
-        self.max = torch.full((rows,), float("-inf"), dtype=torch.float32, device=device)
-        self.sum = torch.zeros(rows, dtype=torch.float32, device=device)
-        self.weighted = torch.zeros(rows, dtype=torch.float32, device=device) if with_expectation else None
+    def __init__(
+        self, rows: int, device: torch.device, with_expectation: bool = False, dtype: torch.dtype = torch.float32
+    ) -> None:
+        self.max = torch.full((rows,), float("-inf"), dtype=dtype, device=device)
+        self.sum = torch.zeros(rows, dtype=dtype, device=device)
+        self.weighted = torch.zeros(rows, dtype=dtype, device=device) if with_expectation else None
 
     def update(self, x: torch.Tensor, y: torch.Tensor | None = None) -> None:
         """Fold one tile ``x [rows, C]`` (and its paired values ``y``) into the running state."""
@@ -203,9 +207,11 @@ class OnlineLogSumExp:
         return self.weighted / self.sum
 
 
-def stream_logsumexp(block: RowBlock, rows: int, vocab: int, chunking: Chunking, device) -> torch.Tensor:
+def stream_logsumexp(
+    block: RowBlock, rows: int, vocab: int, chunking: Chunking, device, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Per-row log-sum-exp of a source's token chunk, one vocabulary tile at a time."""
-    acc = OnlineLogSumExp(rows, device)
+    acc = OnlineLogSumExp(rows, device, dtype=dtype)
     for v0, v1 in chunking.vocab_chunks(vocab):
         acc.update(block.tile(v0, v1))
     return acc.logsumexp()

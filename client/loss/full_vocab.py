@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from . import _checks
-from .chunking import Chunking, DenseSource, FusedSource, OnlineLogSumExp
+from .chunking import Chunking, DenseSource, FusedSource, OnlineLogSumExp, compute_dtype
 from .divergences import Divergence, make_divergence
 
 
@@ -36,19 +36,22 @@ class _Spec:
     divergence: Divergence
     inv_tau: float
     chunking: Chunking
+    dtype: torch.dtype
 
 
 def _student_source(
     hidden: torch.Tensor | None,
     weight: torch.Tensor | None,
     logits: torch.Tensor | None,
-    inv_tau: float,
+    spec: _Spec,
     needs_grad: tuple[bool, bool, bool] = (False, False, False),
 ) -> FusedSource | DenseSource:
     if logits is not None:
-        return DenseSource(logits, inv_tau, grad_logits=needs_grad[2])
+        return DenseSource(logits, spec.inv_tau, grad_logits=needs_grad[2], dtype=spec.dtype)
     assert hidden is not None and weight is not None
-    return FusedSource(hidden, weight, inv_tau, grad_hidden=needs_grad[0], grad_weight=needs_grad[1])
+    return FusedSource(
+        hidden, weight, spec.inv_tau, grad_hidden=needs_grad[0], grad_weight=needs_grad[1], dtype=spec.dtype
+    )
 
 
 def _forward_stats(
@@ -58,7 +61,7 @@ def _forward_stats(
     n, vocab = student.num_tokens, student.vocab
     dev = teacher.hidden.device
     div, ch = spec.divergence, spec.chunking
-    loss = torch.empty(n, dtype=torch.float32, device=dev)
+    loss = torch.empty(n, dtype=spec.dtype, device=dev)
     lse_s = torch.empty_like(loss)
     lse_t = torch.empty_like(loss)
     aux = torch.empty_like(loss)
@@ -67,8 +70,8 @@ def _forward_stats(
     for t0, t1 in ch.token_chunks(n):
         rows = t1 - t0
         sb, tb = student.rows(t0, t1), teacher.rows(t0, t1)
-        acc_s = OnlineLogSumExp(rows, dev, with_expectation=online == "student")
-        acc_t = OnlineLogSumExp(rows, dev, with_expectation=online == "teacher")
+        acc_s = OnlineLogSumExp(rows, dev, online == "student", spec.dtype)
+        acc_t = OnlineLogSumExp(rows, dev, online == "teacher", spec.dtype)
         kept: tuple[torch.Tensor, torch.Tensor] | None = None
         for v0, v1 in ch.vocab_chunks(vocab):
             a, b = sb.tile(v0, v1), tb.tile(v0, v1)
@@ -85,7 +88,7 @@ def _forward_stats(
                 chunk_loss = acc_s.expectation() - ls + lt
             chunk_aux = torch.zeros_like(chunk_loss)
         else:
-            chunk_loss = torch.zeros(rows, dtype=torch.float32, device=dev)
+            chunk_loss = torch.zeros(rows, dtype=spec.dtype, device=dev)
             chunk_aux = torch.zeros_like(chunk_loss)
             for v0, v1 in ch.vocab_chunks(vocab):
                 a, b = kept if kept is not None else (sb.tile(v0, v1), tb.tile(v0, v1))
@@ -125,8 +128,8 @@ class _FullVocabFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, s_hidden, s_weight, s_logits, t_hidden, t_weight, spec: _Spec):
-        student = _student_source(s_hidden, s_weight, s_logits, spec.inv_tau)
-        teacher = FusedSource(t_hidden, t_weight, spec.inv_tau)
+        student = _student_source(s_hidden, s_weight, s_logits, spec)
+        teacher = FusedSource(t_hidden, t_weight, spec.inv_tau, dtype=spec.dtype)
         loss, lse_s, lse_t, aux = _forward_stats(student, teacher, spec)
         ctx.save_for_backward(s_hidden, s_weight, s_logits, t_hidden, t_weight, loss, lse_s, lse_t, aux)
         ctx.spec = spec
@@ -139,9 +142,9 @@ class _FullVocabFunction(torch.autograd.Function):
         if not any(needs):
             return None, None, None, None, None, None
         spec: _Spec = ctx.spec
-        student = _student_source(s_hidden, s_weight, s_logits, spec.inv_tau, needs)
-        teacher = FusedSource(t_hidden, t_weight, spec.inv_tau)
-        _backward_grads(student, teacher, spec, (loss, lse_s, lse_t, aux), grad_out.float())
+        student = _student_source(s_hidden, s_weight, s_logits, spec, needs)
+        teacher = FusedSource(t_hidden, t_weight, spec.inv_tau, dtype=spec.dtype)
+        _backward_grads(student, teacher, spec, (loss, lse_s, lse_t, aux), grad_out.to(spec.dtype))
         if isinstance(student, DenseSource):
             gl = student.grad_logits
             return None, None, (gl.to(s_logits.dtype) if gl is not None else None), None, None, None
@@ -199,7 +202,8 @@ def full_vocab_kl(
     chunk_vocab: int | None = None,
     teacher_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Exact per-token divergence over the whole vocabulary, as a float32 ``[N]`` tensor.
+    """Exact per-token divergence over the whole vocabulary, as a float32 ``[N]`` tensor
+    (float64 when the inputs are float64).
 
     ``direction``: ``"forward"`` KL(p_T‖p_S), ``"reverse"`` KL(p_S‖p_T) or ``"jsd"``
     (generalised JSD with ``beta``; 0 → forward, 1 → reverse). ``temperature``
@@ -226,6 +230,7 @@ def full_vocab_kl(
         make_divergence(direction, beta, log_prob_min_clamp),
         1.0 / float(temperature),
         Chunking.resolve(n, vocab, chunk_tokens, chunk_vocab),
+        compute_dtype(student_hidden, student_weight, student_logits, teacher_hidden),
     )
     t_hidden = teacher_hidden.detach()
     if teacher_index is None:
@@ -255,7 +260,7 @@ def _multi_teacher(
         raise ValueError(f"teacher_index must be a tensor of shape ({n},), got {shape}")
     _checks.check_ids("teacher_index", teacher_index, len(weights))
     index = teacher_index.to(device=t_hidden.device, dtype=torch.long)
-    out = torch.zeros(n, dtype=torch.float32, device=t_hidden.device)
+    out = torch.zeros(n, dtype=spec.dtype, device=t_hidden.device)
     pieces = []
     for j in torch.unique(index).tolist():
         w = weights[j]

@@ -19,7 +19,7 @@ K3_RESULT_CLAMP = 10.0
 
 
 def sampled_kl(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, mode: str) -> torch.Tensor:
-    """Per-token estimator, float32 with the inputs' shape, differentiable in ``student_logprobs``.
+    """Per-token estimator, float32 (float64 for float64 inputs) with the inputs' shape, differentiable in ``student_logprobs``.
 
     ``kl``/``k1`` = s - t; ``abs`` = |s - t|; ``mse``/``k2`` = ½(s - t)²;
     ``low_var_kl``/``k3`` = e^r - r - 1 with r = t - s clamped to ±20, result to ±10.
@@ -35,8 +35,9 @@ def sampled_kl(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, m
             f"student_logprobs has shape {tuple(student_logprobs.shape)} but teacher_logprobs has "
             f"{tuple(teacher_logprobs.shape)}"
         )
-    s = student_logprobs.float()
-    t = teacher_logprobs.detach().float()
+    dtype = torch.float64 if student_logprobs.dtype == torch.float64 else torch.float32
+    s = student_logprobs.to(dtype)
+    t = teacher_logprobs.detach().to(dtype)
     if mode in ("kl", "k1"):
         return s - t
     if mode == "abs":

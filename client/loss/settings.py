@@ -127,10 +127,10 @@ class LossSettings:
         names = {f.name for f in fields(cls)}
         values: dict[str, Any] = {}
         if isinstance(config, Mapping) or hasattr(config, "keys"):
-            for key in config.keys():
-                key = str(key)
+            for raw_key in config:
+                key = str(raw_key)
                 if key in names:
-                    values[key] = config[key]
+                    values[key] = config[raw_key]
                 elif key not in _VERL_KEYS_IGNORED:
                     raise ValueError(
                         f"unknown distillation_loss setting {key!r}; known settings: {sorted(names)}"
@@ -147,7 +147,7 @@ class LossSettings:
 def _get(config: Any, key: str, default: Any) -> Any:
     if isinstance(config, Mapping) or hasattr(config, "keys"):
         try:
-            return config[key] if key in config else default
-        except TypeError:
+            return config.get(key, default)
+        except (TypeError, AttributeError):
             return default
     return getattr(config, key, default)

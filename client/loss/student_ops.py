@@ -16,17 +16,28 @@ from __future__ import annotations
 
 import torch
 
-from .chunking import DEFAULT_TILE_ELEMENTS, Chunking, DenseSource, FusedSource, stream_logsumexp
+from .chunking import (
+    DEFAULT_TILE_ELEMENTS,
+    Chunking,
+    DenseSource,
+    FusedSource,
+    compute_dtype,
+    stream_logsumexp,
+)
 
 
 class _StudentLogSumExp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, logits, inv_tau: float, chunking: Chunking):
-        src = FusedSource(hidden, weight, inv_tau) if logits is None else DenseSource(logits, inv_tau)
+        dtype = compute_dtype(hidden, weight, logits)
+        if logits is None:
+            src = FusedSource(hidden, weight, inv_tau, dtype=dtype)
+        else:
+            src = DenseSource(logits, inv_tau, dtype=dtype)
         dev = (logits if logits is not None else hidden).device
-        lse = torch.empty(src.num_tokens, dtype=torch.float32, device=dev)
+        lse = torch.empty(src.num_tokens, dtype=dtype, device=dev)
         for t0, t1 in chunking.token_chunks(src.num_tokens):
-            lse[t0:t1] = stream_logsumexp(src.rows(t0, t1), t1 - t0, src.vocab, chunking, dev)
+            lse[t0:t1] = stream_logsumexp(src.rows(t0, t1), t1 - t0, src.vocab, chunking, dev, dtype)
         ctx.save_for_backward(hidden, weight, logits, lse)
         ctx.inv_tau, ctx.chunking = inv_tau, chunking
         return lse
@@ -37,11 +48,12 @@ class _StudentLogSumExp(torch.autograd.Function):
         needs = ctx.needs_input_grad[:3]
         if not any(needs):
             return None, None, None, None, None
+        dtype = lse.dtype
         if logits is None:
-            src = FusedSource(hidden, weight, ctx.inv_tau, grad_hidden=needs[0], grad_weight=needs[1])
+            src = FusedSource(hidden, weight, ctx.inv_tau, needs[0], needs[1], dtype=dtype)
         else:
-            src = DenseSource(logits, ctx.inv_tau, grad_logits=needs[2])
-        g = grad_out.float()
+            src = DenseSource(logits, ctx.inv_tau, grad_logits=needs[2], dtype=dtype)
+        g = grad_out.to(dtype)
         for t0, t1 in ctx.chunking.token_chunks(src.num_tokens):
             gc = g[t0:t1, None]
             if not bool(gc.any()):
@@ -71,7 +83,7 @@ def student_logsumexp(
     inv_tau: float,
     chunking: Chunking,
 ) -> torch.Tensor:
-    """Float32 ``[N]`` log-sum-exp of the scaled student logits; differentiable."""
+    """``[N]`` log-sum-exp (float32; float64 for float64 inputs) of the scaled student logits; differentiable."""
     return _StudentLogSumExp.apply(hidden, weight, logits, inv_tau, chunking)
 
 
@@ -80,12 +92,13 @@ class _FusedLogitsAt(torch.autograd.Function):
     def forward(ctx, hidden, weight, ids, inv_tau: float):
         n, k = ids.shape
         h_dim = hidden.shape[1]
-        out = torch.empty(n, k, dtype=torch.float32, device=hidden.device)
+        dtype = compute_dtype(hidden, weight)
+        out = torch.empty(n, k, dtype=dtype, device=hidden.device)
         step = _rows_per_gather(k, h_dim)
         for t0 in range(0, n, step):
             t1 = min(t0 + step, n)
-            w_rows = weight[ids[t0:t1]].float()  # [rows, K, H]
-            h = hidden[t0:t1].float().unsqueeze(2)  # [rows, H, 1]
+            w_rows = weight[ids[t0:t1]].to(dtype)  # [rows, K, H]
+            h = hidden[t0:t1].to(dtype).unsqueeze(2)  # [rows, H, 1]
             out[t0:t1] = torch.bmm(w_rows, h).squeeze(2)
         if inv_tau != 1.0:
             out.mul_(inv_tau)
@@ -97,20 +110,21 @@ class _FusedLogitsAt(torch.autograd.Function):
     def backward(ctx, grad_out):
         hidden, weight, ids = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[:2]
-        g = grad_out.float() * ctx.inv_tau  # [N, K]
+        dtype = compute_dtype(hidden, weight)
+        g = grad_out.to(dtype) * ctx.inv_tau  # [N, K]
         n, k = ids.shape
         h_dim = hidden.shape[1]
-        grad_h = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_h = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_w else None
         step = _rows_per_gather(k, h_dim)
         for t0 in range(0, n, step):
             t1 = min(t0 + step, n)
             gc = g[t0:t1]
             if grad_h is not None:
-                w_rows = weight[ids[t0:t1]].float()  # [rows, K, H]
+                w_rows = weight[ids[t0:t1]].to(dtype)  # [rows, K, H]
                 grad_h[t0:t1] = torch.bmm(gc.unsqueeze(1), w_rows).squeeze(1)
             if grad_w is not None:
-                contrib = gc.unsqueeze(2) * hidden[t0:t1].float().unsqueeze(1)  # [rows, K, H]
+                contrib = gc.unsqueeze(2) * hidden[t0:t1].to(dtype).unsqueeze(1)  # [rows, K, H]
                 grad_w.index_add_(0, ids[t0:t1].reshape(-1), contrib.reshape(-1, h_dim))
         return (
             grad_h.to(hidden.dtype) if grad_h is not None else None,
@@ -132,9 +146,9 @@ def student_logits_at(
     ids: torch.Tensor,
     inv_tau: float,
 ) -> torch.Tensor:
-    """Float32 ``[N, K]`` scaled student logits at ``ids``; differentiable."""
+    """``[N, K]`` scaled student logits (float32; float64 for float64 inputs) at ``ids``; differentiable."""
     ids = ids.to(torch.long)
     if logits is not None:
-        out = logits.gather(1, ids).float()
+        out = logits.gather(1, ids).to(compute_dtype(logits))
         return out * inv_tau if inv_tau != 1.0 else out
     return _FusedLogitsAt.apply(hidden, weight, ids, inv_tau)

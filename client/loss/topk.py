@@ -23,7 +23,7 @@ import math
 import torch
 
 from . import _checks
-from .chunking import Chunking
+from .chunking import Chunking, compute_dtype
 from .student_ops import student_logits_at, student_logsumexp
 
 
@@ -68,7 +68,8 @@ def topk_kl(
     log_prob_min_clamp: float | None = None,
     chunk_tokens: int | None = None,
 ) -> torch.Tensor:
-    """Per-token top-k divergence, float32 ``[N]``, differentiable in the student inputs."""
+    """Per-token top-k divergence, float32 ``[N]`` (float64 for float64 inputs), differentiable
+    in the student inputs."""
     _checks.check_direction(direction, beta)
     _checks.check_temperature(temperature)
     _checks.check_clamp(log_prob_min_clamp, direction)
@@ -79,7 +80,7 @@ def topk_kl(
     )
     _checks.check_ids("teacher_topk_ids", teacher_topk_ids, vocab)
     inv_tau = 1.0 / float(temperature)
-    t = teacher_topk_logprobs.detach().float()
+    t = teacher_topk_logprobs.detach().to(compute_dtype(student_hidden, student_weight, student_logits))
     a_ids = student_logits_at(student_hidden, student_weight, student_logits, teacher_topk_ids, inv_tau)
     if direction == "forward":
         chunking = Chunking.resolve(n, vocab, chunk_tokens, None)
