@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 from loss_reference import F64, full_vocab_ref, make_case, rel_err
-
 from proctor.client.loss import full_vocab_kl
 
 DIRECTIONS = [("forward", 0.5), ("reverse", 0.5), ("jsd", 0.5), ("jsd", 0.2), ("jsd", 0.9)]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 from loss_reference import F64, full_vocab_ref, make_case, rel_err
-
 from proctor.client.loss import full_vocab_kl
 
 
@@ -41,7 +40,7 @@ def test_each_token_uses_its_own_teachers_hidden_row_and_weight():
 
 
 def test_token_whose_teacher_has_no_weight_raises():
-    a, b, index, hidden = _two_teachers()
+    a, _, index, hidden = _two_teachers()
     with pytest.raises(ValueError, match="teacher 1"):
         full_vocab_kl(
             hidden, [a.teacher_weight, None], teacher_index=index,
@@ -50,7 +49,7 @@ def test_token_whose_teacher_has_no_weight_raises():
 
 
 def test_teacher_without_weight_is_fine_when_no_token_selects_it():
-    a, b, index, hidden = _two_teachers()
+    a, _, index, hidden = _two_teachers()
     zeros = torch.zeros_like(index)
     loss = full_vocab_kl(
         hidden, [a.teacher_weight, None], teacher_index=zeros,

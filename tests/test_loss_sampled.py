@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 from loss_reference import F64, rel_err, sampled_ref
-
 from proctor.client.loss import SAMPLED_MODES, sampled_kl
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 from loss_reference import F64, make_case, rel_err, topk_of, topk_ref
-
 from proctor.client.loss import topk_kl, topk_masses
 
 TOL = 1e-5
