@@ -24,6 +24,22 @@ def _logging(verbose: bool) -> None:
         logging.getLogger("proctor").setLevel(logging.INFO)
 
 
+def _parse_settings(items: list[str]) -> dict:
+    """KEY=VALUE pairs into a dict; values are JSON when they parse as JSON, else strings."""
+    import json
+
+    settings: dict = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise typer.BadParameter(f"--inference expects KEY=VALUE, got {item!r}")
+        try:
+            settings[key] = json.loads(value)
+        except json.JSONDecodeError:
+            settings[key] = value
+    return settings
+
+
 @app.command()
 def serve(
     model: Optional[Path] = typer.Option(None, help="Local Hugging Face model directory (default: the built-in tiny teacher)."),
@@ -37,6 +53,7 @@ def serve(
     max_topk: int = typer.Option(64, help="Largest top-k a request may ask for."),
     max_model_len: Optional[int] = typer.Option(None, help="Longest sequence (default: the model's)."),
     replicas: int = typer.Option(1, help="In-process replicas of the teacher."),
+    inference: list[str] = typer.Option([], "--inference", help="Engine setting KEY=VALUE (value parsed as JSON when it can be), e.g. gpu_memory_utilization=0.2; repeatable."),
     teacher_name: str = typer.Option("default", help="Name (and routing key) of the teacher."),
     auth_token_file: Optional[Path] = typer.Option(None, help="File holding the bearer token required on scoring calls."),
     verbose: bool = typer.Option(True, help="Log at INFO."),
@@ -54,8 +71,10 @@ def serve(
         router, options = load_server_config(config, host=host if host != "127.0.0.1" else None)
     else:
         path = model or ensure_default_model()
-        inference = {"max_model_len": max_model_len} if max_model_len else {}
-        spec = EngineSpec(name=engine, model_path=str(path), device=device, dtype=dtype, max_topk=max_topk, inference=inference)
+        settings = _parse_settings(inference)
+        if max_model_len:
+            settings["max_model_len"] = max_model_len
+        spec = EngineSpec(name=engine, model_path=str(path), device=device, dtype=dtype, max_topk=max_topk, inference=settings)
         router = single_teacher_router(spec, name=teacher_name, replicas=replicas)
         options = ServerOptions(host=host, grpc_port=grpc_port, http_port=http_port,
                                 auth_token=load_token(token_file=str(auth_token_file) if auth_token_file else None))

