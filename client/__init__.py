@@ -1,1 +1,40 @@
-"""x"""
+"""Trainer-side client of a proctor server: scoring calls, batch layouts, and the losses.
+
+`TeacherClient` (asyncio) and `SyncTeacherClient` (blocking) talk gRPC or HTTP; errors are
+`TeacherError`s; `proctor.client.batch` turns per-sequence scores into trainer tensors;
+`proctor.client.loss` holds the distillation losses. Imports only `proctor.proto`.
+"""
+
+from proctor.client.client import ScoreInput, TeacherClient, TeacherInfo, TeacherScores
+from proctor.client.retry import NO_RETRY, RetryPolicy
+from proctor.client.sync import SyncTeacherClient
+from proctor.client.transports import (
+    DeadlineExceeded,
+    InvalidArgument,
+    Media,
+    ResourceExhausted,
+    TeacherError,
+    TeacherNotFound,
+    Unauthenticated,
+    Unavailable,
+    UnembeddingMismatch,
+)
+
+__all__ = [
+    "NO_RETRY",
+    "DeadlineExceeded",
+    "InvalidArgument",
+    "Media",
+    "ResourceExhausted",
+    "RetryPolicy",
+    "ScoreInput",
+    "SyncTeacherClient",
+    "TeacherClient",
+    "TeacherError",
+    "TeacherInfo",
+    "TeacherNotFound",
+    "TeacherScores",
+    "Unauthenticated",
+    "Unavailable",
+    "UnembeddingMismatch",
+]

@@ -1,0 +1,442 @@
+"""`TeacherClient`: the trainer's asyncio handle on a proctor server.
+
+One client holds one connection (gRPC channel or HTTP pool) and a concurrency limit; every
+call has a deadline, retries UNAVAILABLE / RESOURCE_EXHAUSTED with backoff (honouring the
+server's hint), and cancels the server's work when the caller cancels. Results are torch
+tensors in proctor's row convention (row i is about token i given tokens 0..i-1; rows
+`first_row..T-1`); `proctor.client.batch` converts them to trainer layouts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import uuid
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from proctor.client.retry import Deadline, RetryPolicy, call_with_retries
+from proctor.client.transports import (
+    MediaLike,
+    TeacherError,
+    Transport,
+    UnembeddingMismatch,
+    make_error,
+    parse_target,
+    processor_kwargs_json,
+    to_wire_media,
+)
+from proctor.proto import decode_tensor, scoring_pb2
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TeacherScores:
+    """The teacher's answer for one sequence: rows first_row..num_tokens-1.
+
+    Tensors are owned copies (safe to write). `logprobs[r]` is log p(token first_row + r |
+    tokens before it); `hidden_states[r]` is the teacher's last-layer state that produced
+    that distribution (the activation at position first_row + r - 1).
+    """
+
+    request_id: str
+    teacher: str
+    model: str
+    num_tokens: int
+    first_row: int
+    logprobs: torch.Tensor | None = None  # float32 [R]
+    topk_ids: torch.Tensor | None = None  # int32 [R, K]
+    topk_logprobs: torch.Tensor | None = None  # float32 [R, K]
+    hidden_states: torch.Tensor | None = None  # [R, H], the teacher's dtype
+
+    @property
+    def num_rows(self) -> int:
+        return self.num_tokens - self.first_row
+
+
+@dataclass(frozen=True)
+class TeacherInfo:
+    """A teacher as ListTeachers describes it."""
+
+    name: str
+    model: str
+    fingerprint: str
+    vocab_size: int
+    hidden_size: int
+    max_model_len: int
+    max_topk: int
+    outputs: tuple[str, ...]
+    keys: tuple[str, ...]
+    engine: str
+    dtype: str
+    media: tuple[str, ...]
+    replicas: tuple[tuple[str, str], ...] = ()  # (replica_id, state)
+
+    @classmethod
+    def from_wire(cls, info: scoring_pb2.TeacherInfo) -> TeacherInfo:
+        return cls(
+            name=info.name, model=info.model, fingerprint=info.fingerprint, vocab_size=info.vocab_size,
+            hidden_size=info.hidden_size, max_model_len=info.max_model_len, max_topk=info.max_topk,
+            outputs=tuple(info.outputs), keys=tuple(info.keys), engine=info.engine, dtype=info.dtype,
+            media=tuple(info.media), replicas=tuple((r.replica_id, r.state) for r in info.replicas),
+        )
+
+
+@dataclass
+class ScoreInput:
+    """One sequence for `score_many`; fields mirror `TeacherClient.score`'s arguments."""
+
+    token_ids: Sequence[int] | torch.Tensor
+    teacher_key: str | None = None
+    prompt_length: int | None = None
+    images: Sequence[MediaLike] | None = None
+    videos: Sequence[MediaLike] | None = None
+    audios: Sequence[MediaLike] | None = None
+    mm_processor_kwargs: Mapping[str, Any] | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+def _owned(message: scoring_pb2.Tensor) -> torch.Tensor:
+    # decode_tensor is a read-only view over the message bytes; callers get a writable copy.
+    return decode_tensor(message).clone()
+
+
+def scores_from_response(response: scoring_pb2.ScoreResponse | scoring_pb2.ScoreChunk) -> TeacherScores:
+    scores = TeacherScores(
+        request_id=response.request_id, teacher=response.teacher, model=response.model,
+        num_tokens=response.num_tokens, first_row=response.first_row,
+    )
+    for name in ("logprobs", "topk_ids", "topk_logprobs", "hidden_states"):
+        if response.HasField(name):
+            setattr(scores, name, _owned(getattr(response, name)))
+    return scores
+
+
+def _token_list(token_ids: Sequence[int] | torch.Tensor) -> list[int]:
+    if isinstance(token_ids, torch.Tensor):
+        if token_ids.dim() != 1:
+            raise make_error("INVALID_ARGUMENT", f"token_ids: must be 1-D, got shape {tuple(token_ids.shape)}",
+                             field="token_ids")
+        return token_ids.tolist()
+    return [int(t) for t in token_ids]
+
+
+class TeacherClient:
+    """Async client for one proctor server.
+
+    >>> async with TeacherClient("grpc://teacher:50051", token=...) as client:
+    ...     scores = await client.score(ids, prompt_length=p, topk=64)
+
+    `max_concurrency` bounds calls in flight (the rest wait in the client, not the server's
+    queue); `timeout` is the default deadline per call, retries included.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        token: str | None = None,
+        max_concurrency: int = 64,
+        timeout: float | None = 120.0,
+        retry: RetryPolicy | None = None,
+        max_message_bytes: int = 64 << 20,
+        seed: int | None = None,
+    ) -> None:
+        if max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+        self.target = target
+        self.scheme, self.address = parse_target(target)
+        self.token = token
+        self.max_concurrency = max_concurrency
+        self.timeout = timeout
+        self.retry = retry or RetryPolicy()
+        self.max_message_bytes = max_message_bytes
+        self.retries = 0  # attempts that were retried (observable in tests and logs)
+        self._rng = random.Random(seed)
+        self._transport: Transport | None = None
+        self._semaphore: asyncio.Semaphore | None = None
+        self._teachers: dict[str, TeacherInfo] | None = None
+        self._unembeddings: dict[tuple[str, str], torch.Tensor] = {}
+        self._unembedding_locks: dict[str, asyncio.Lock] = {}
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def _connect(self) -> Transport:
+        """Open the connection lazily, inside the running loop (grpc.aio channels are loop-bound)."""
+        if self._transport is None:
+            if self.scheme in ("grpc", "grpcs"):
+                from proctor.client.grpc_transport import GrpcTransport
+
+                self._transport = GrpcTransport(
+                    self.address, secure=self.scheme == "grpcs", token=self.token,
+                    max_message_bytes=self.max_message_bytes,
+                )
+            else:
+                from proctor.client.http_transport import HttpTransport
+
+                self._transport = HttpTransport(f"{self.scheme}://{self.address}", token=self.token,
+                                                max_connections=self.max_concurrency)
+            self._semaphore = asyncio.Semaphore(self.max_concurrency)
+        return self._transport
+
+    async def __aenter__(self) -> TeacherClient:
+        self._connect()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._transport is not None:
+            transport, self._transport = self._transport, None
+            await transport.close()
+
+    @property
+    def transport_name(self) -> str:
+        return "grpc" if self.scheme in ("grpc", "grpcs") else "http"
+
+    # -- the retry loop --------------------------------------------------------------------
+    async def _call(self, attempt, timeout: float | None, what: str):
+        transport = self._connect()
+        deadline = Deadline(self.timeout if timeout is None else timeout)
+
+        async def limited(remaining: float | None):
+            async with self._semaphore:
+                return await attempt(transport, remaining)
+
+        def note(error: TeacherError, wait: float) -> None:
+            self.retries += 1
+            log.info("%s: %s; retrying in %.2fs", what, error, wait)
+
+        return await call_with_retries(limited, policy=self.retry, deadline=deadline, rng=self._rng, on_retry=note)
+
+    # -- scoring ---------------------------------------------------------------------------
+    def build_request(
+        self,
+        token_ids: Sequence[int] | torch.Tensor,
+        *,
+        teacher_key: str | None = None,
+        prompt_length: int | None = None,
+        logprobs: bool = True,
+        topk: int = 0,
+        hidden_states: bool = False,
+        images: Iterable[MediaLike] | None = None,
+        videos: Iterable[MediaLike] | None = None,
+        audios: Iterable[MediaLike] | None = None,
+        mm_processor_kwargs: Mapping[str, Any] | str | None = None,
+        request_id: str | None = None,
+    ) -> scoring_pb2.ScoreRequest:
+        """The wire request for one sequence (the server validates ranges and sizes)."""
+        request = scoring_pb2.ScoreRequest(
+            request_id=request_id or uuid.uuid4().hex,
+            teacher_key=teacher_key or "",
+            token_ids=_token_list(token_ids),
+            logprobs=logprobs,
+            topk=int(topk),
+            hidden_states=hidden_states,
+            images=to_wire_media(images, "images"),
+            videos=to_wire_media(videos, "videos"),
+            audios=to_wire_media(audios, "audios"),
+            mm_processor_kwargs=processor_kwargs_json(mm_processor_kwargs),
+        )
+        if prompt_length is not None:
+            request.prompt_length = int(prompt_length)
+        return request
+
+    async def score(
+        self,
+        token_ids: Sequence[int] | torch.Tensor,
+        *,
+        teacher_key: str | None = None,
+        prompt_length: int | None = None,
+        logprobs: bool = True,
+        topk: int = 0,
+        hidden_states: bool = False,
+        images: Iterable[MediaLike] | None = None,
+        videos: Iterable[MediaLike] | None = None,
+        audios: Iterable[MediaLike] | None = None,
+        mm_processor_kwargs: Mapping[str, Any] | str | None = None,
+        timeout: float | None = None,
+        request_id: str | None = None,
+    ) -> TeacherScores:
+        """Score one sequence. Hidden states travel by ScoreStream on gRPC (no message limit)."""
+        request = self.build_request(
+            token_ids, teacher_key=teacher_key, prompt_length=prompt_length, logprobs=logprobs, topk=topk,
+            hidden_states=hidden_states, images=images, videos=videos, audios=audios,
+            mm_processor_kwargs=mm_processor_kwargs, request_id=request_id,
+        )
+        if hidden_states:
+            return await self._stream_request(request, timeout)
+
+        async def attempt(transport: Transport, remaining: float | None):
+            return scores_from_response(await transport.score(request, remaining))
+
+        return await self._call(attempt, timeout, f"score {request.request_id}")
+
+    async def stream_hidden_states(
+        self,
+        token_ids: Sequence[int] | torch.Tensor,
+        *,
+        timeout: float | None = None,
+        **kwargs: Any,
+    ) -> TeacherScores:
+        """Score with hidden states through ScoreStream and reassemble the row chunks."""
+        kwargs["hidden_states"] = True
+        request = self.build_request(token_ids, **kwargs)
+        return await self._stream_request(request, timeout)
+
+    async def _stream_request(self, request: scoring_pb2.ScoreRequest, timeout: float | None) -> TeacherScores:
+        async def attempt(transport: Transport, remaining: float | None) -> TeacherScores:
+            return await assemble_stream(transport.score_stream(request, remaining))
+
+        return await self._call(attempt, timeout, f"stream {request.request_id}")
+
+    async def score_many(
+        self,
+        sequences: Iterable[Sequence[int] | torch.Tensor | ScoreInput],
+        *,
+        return_exceptions: bool = False,
+        **common: Any,
+    ) -> list[TeacherScores | BaseException]:
+        """Score many sequences concurrently (at most max_concurrency in flight); results keep
+        the input order. Without return_exceptions the first failure cancels the rest."""
+
+        async def one(item):
+            if isinstance(item, ScoreInput):
+                args = {**common, **item.options}
+                for name in ("teacher_key", "prompt_length", "images", "videos", "audios", "mm_processor_kwargs"):
+                    if getattr(item, name) is not None:
+                        args[name] = getattr(item, name)
+                return await self.score(item.token_ids, **args)
+            return await self.score(item, **common)
+
+        self._connect()
+        tasks = [asyncio.ensure_future(one(item)) for item in sequences]
+        try:
+            return list(await asyncio.gather(*tasks, return_exceptions=return_exceptions))
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+
+    # -- catalogue and unembeddings --------------------------------------------------------
+    async def teachers(self, *, timeout: float | None = None, refresh: bool = True) -> dict[str, TeacherInfo]:
+        """The server's teachers by name (cached for `teacher_for_key` and `unembedding`)."""
+        if self._teachers is not None and not refresh:
+            return self._teachers
+
+        async def attempt(transport: Transport, remaining: float | None):
+            return await transport.list_teachers(remaining)
+
+        response = await self._call(attempt, timeout, "ListTeachers")
+        self._teachers = {info.name: TeacherInfo.from_wire(info) for info in response.teachers}
+        return self._teachers
+
+    async def teacher_for_key(self, teacher_key: str | None) -> TeacherInfo:
+        """The teacher a routing key selects, by the server's catalogue (same rule as the server)."""
+        teachers = await self.teachers(refresh=self._teachers is None)
+        if not teacher_key:
+            if len(teachers) == 1:
+                return next(iter(teachers.values()))
+            raise make_error("INVALID_ARGUMENT", f"teacher_key: required with several teachers ({sorted(teachers)})",
+                             field="teacher_key")
+        for info in teachers.values():
+            if teacher_key == info.name or teacher_key in info.keys:
+                return info
+        raise make_error("NOT_FOUND", f"teacher_key: no teacher for key {teacher_key!r} (known: {sorted(teachers)})",
+                         field="teacher_key")
+
+    async def unembedding(self, teacher_key: str | None = None, *, timeout: float | None = None) -> torch.Tensor:
+        """The teacher's lm_head weight [V, H], fetched once and cached per fingerprint.
+
+        Every chunk must carry the fingerprint ListTeachers gives for that teacher, and the
+        shape must match its vocab and hidden sizes: a cached weight is never paired with
+        hidden states from different teacher weights.
+        """
+        info = await self.teacher_for_key(teacher_key)
+        cache_key = (info.name, info.fingerprint)
+        lock = self._unembedding_locks.setdefault(info.name, asyncio.Lock())
+        async with lock:
+            if cache_key in self._unembeddings:
+                return self._unembeddings[cache_key]
+
+            async def attempt(transport: Transport, remaining: float | None) -> torch.Tensor:
+                return await assemble_unembedding(transport.unembedding(info.name, remaining), info)
+
+            weight = await self._call(attempt, timeout, f"GetUnembedding {info.name}")
+            self._unembeddings = {k: v for k, v in self._unembeddings.items() if k[0] != info.name}
+            self._unembeddings[cache_key] = weight
+            return weight
+
+
+async def assemble_stream(chunks: AsyncIterator[scoring_pb2.ScoreChunk]) -> TeacherScores:
+    """Rebuild one TeacherScores from ScoreStream chunks, checking every row arrived once."""
+    scores: TeacherScores | None = None
+    hidden: torch.Tensor | None = None
+    filled = 0
+    last = False
+    async for chunk in chunks:
+        if scores is None:
+            scores = scores_from_response(chunk)
+            first_hidden = scores.hidden_states
+            scores.hidden_states = None
+            if first_hidden is not None:
+                hidden = _place_rows(None, first_hidden, chunk.hidden_states.first_row, scores)
+                filled += first_hidden.shape[0]
+        elif chunk.HasField("hidden_states"):
+            piece = decode_tensor(chunk.hidden_states)
+            hidden = _place_rows(hidden, piece, chunk.hidden_states.first_row, scores)
+            filled += piece.shape[0]
+        last = chunk.last
+    if scores is None or not last:
+        raise make_error("UNAVAILABLE", "the score stream ended before its last chunk")
+    if hidden is not None:
+        if filled != scores.num_rows:
+            raise make_error("INTERNAL", f"the stream sent {filled} hidden-state rows, expected {scores.num_rows}")
+        scores.hidden_states = hidden
+    return scores
+
+
+def _place_rows(hidden: torch.Tensor | None, piece: torch.Tensor, first_row: int, scores: TeacherScores) -> torch.Tensor:
+    if hidden is None:
+        hidden = torch.empty((scores.num_rows, piece.shape[1]), dtype=piece.dtype)
+    start = first_row - scores.first_row
+    if start < 0 or start + piece.shape[0] > hidden.shape[0]:
+        raise make_error("INTERNAL", f"hidden-state chunk rows {first_row}.. fall outside rows "
+                                     f"{scores.first_row}..{scores.num_tokens - 1}")
+    hidden[start : start + piece.shape[0]] = piece
+    return hidden
+
+
+async def assemble_unembedding(chunks: AsyncIterator[scoring_pb2.TensorChunk], info: TeacherInfo) -> torch.Tensor:
+    weight: torch.Tensor | None = None
+    filled = 0
+    last = False
+    async for chunk in chunks:
+        if chunk.fingerprint != info.fingerprint:
+            raise UnembeddingMismatch(
+                "FAILED_PRECONDITION",
+                f"unembedding of teacher {info.name!r} has fingerprint {chunk.fingerprint!r}, but the teacher "
+                f"is listed with {info.fingerprint!r}: the server changed weights; call teachers() again",
+            )
+        shape = tuple(int(d) for d in chunk.full_shape)
+        if shape != (info.vocab_size, info.hidden_size):
+            raise UnembeddingMismatch(
+                "FAILED_PRECONDITION",
+                f"unembedding of teacher {info.name!r} has shape {shape}, expected "
+                f"({info.vocab_size}, {info.hidden_size})",
+            )
+        piece = decode_tensor(chunk.tensor)
+        if weight is None:
+            weight = torch.empty(shape, dtype=piece.dtype)
+        start = int(chunk.tensor.first_row)
+        weight[start : start + piece.shape[0]] = piece
+        filled += piece.shape[0]
+        last = chunk.last
+    if weight is None or not last or filled != weight.shape[0]:
+        raise make_error("UNAVAILABLE", f"the unembedding stream of {info.name!r} ended early ({filled} rows)")
+    return weight

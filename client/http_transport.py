@@ -1,0 +1,124 @@
+"""HTTP transport (httpx): protobuf bodies on `POST /v1/score`, for networks that only pass HTTP.
+
+Bodies are the same `ScoreRequest` / `ScoreResponse` messages as gRPC
+(`application/x-protobuf`), so both transports decode identical bytes. The deadline travels
+in `x-request-timeout`; a cancelled call closes its connection, which the server notices and
+withdraws the request. The HTTP API has no stream or unembedding endpoint: hidden states come
+in one response, and `unembedding` says to use a gRPC target.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import httpx
+from google.protobuf import json_format
+from google.protobuf.message import DecodeError
+from proctor.client.transports import TeacherError, Transport, make_error
+from proctor.proto import scoring_pb2
+
+PROTOBUF = "application/x-protobuf"
+TIMEOUT_HEADER = "x-request-timeout"
+# Extra time the client waits past the deadline it sent, so the server's own
+# DEADLINE_EXCEEDED (with its message) normally arrives before the client gives up.
+_DEADLINE_GRACE_S = 0.25
+_STATUS_CODES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND", 413: "RESOURCE_EXHAUSTED",
+                 422: "INVALID_ARGUMENT", 429: "RESOURCE_EXHAUSTED", 499: "CANCELLED", 500: "INTERNAL",
+                 502: "UNAVAILABLE", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}
+
+
+def _retry_hint(headers: httpx.Headers) -> float | None:
+    for name, scale in (("x-retry-after-ms", 1000.0), ("retry-after", 1.0)):
+        value = headers.get(name)
+        if value is not None:
+            try:
+                return max(0.0, float(value) / scale)
+            except ValueError:
+                continue
+    return None
+
+
+def error_from_response(response: httpx.Response) -> TeacherError:
+    code = _STATUS_CODES.get(response.status_code, "UNKNOWN")
+    message, field = response.text[:500] or response.reason_phrase, None
+    try:
+        error = response.json()["error"]
+        code, message, field = error.get("code") or code, error.get("message") or message, error.get("field")
+    except (ValueError, KeyError, TypeError):
+        pass
+    return make_error(code, message, field=field, retry_after=_retry_hint(response.headers))
+
+
+class HttpTransport(Transport):
+    name = "http"
+
+    def __init__(self, base_url: str, *, token: str | None = None, max_connections: int = 64,
+                 verify: bool | str = True) -> None:
+        headers = {"authorization": f"Bearer {token}"} if token else {}
+        self._client = httpx.AsyncClient(
+            base_url=base_url,
+            headers=headers,
+            timeout=httpx.Timeout(None, connect=10.0),
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+            verify=verify,
+        )
+
+    async def _send(self, method: str, path: str, *, timeout: float | None, **kwargs) -> httpx.Response:
+        try:
+            coro = self._client.request(method, path, **kwargs)
+            if timeout is None:
+                response = await coro
+            else:
+                response = await asyncio.wait_for(coro, timeout + _DEADLINE_GRACE_S)
+        except asyncio.TimeoutError:
+            raise make_error("DEADLINE_EXCEEDED", f"no answer within the deadline ({timeout:.3f}s)") from None
+        except httpx.TimeoutException as exc:
+            raise make_error("DEADLINE_EXCEEDED", f"HTTP timeout: {exc!r}") from None
+        except httpx.TransportError as exc:
+            # Connection refused or dropped: the server is down or restarting. Scoring is
+            # idempotent, so a retry cannot double-count anything.
+            raise make_error("UNAVAILABLE", f"cannot reach {self._client.base_url}: {exc!r}") from None
+        if response.status_code != 200:
+            raise error_from_response(response)
+        return response
+
+    async def score(self, request, timeout):
+        headers = {"content-type": PROTOBUF, "accept": PROTOBUF}
+        if timeout is not None:
+            headers[TIMEOUT_HEADER] = f"{max(0.0, timeout):.3f}"
+        response = await self._send("POST", "/v1/score", timeout=timeout, content=request.SerializeToString(),
+                                    headers=headers)
+        message = scoring_pb2.ScoreResponse()
+        try:
+            message.ParseFromString(response.content)
+        except DecodeError as exc:
+            raise make_error("INTERNAL", f"the server's answer is not a ScoreResponse ({exc})") from None
+        return message
+
+    async def score_stream(self, request, timeout) -> AsyncIterator[scoring_pb2.ScoreChunk]:
+        """HTTP has no stream: one response becomes one chunk holding every row."""
+        response = await self.score(request, timeout)
+        chunk = scoring_pb2.ScoreChunk(
+            request_id=response.request_id, teacher=response.teacher, model=response.model,
+            num_tokens=response.num_tokens, first_row=response.first_row, last=True,
+        )
+        for name in ("logprobs", "topk_ids", "topk_logprobs", "hidden_states"):
+            if response.HasField(name):
+                getattr(chunk, name).CopyFrom(getattr(response, name))
+        yield chunk
+
+    async def list_teachers(self, timeout):
+        response = await self._send("GET", "/v1/teachers", timeout=timeout)
+        return json_format.ParseDict(response.json(), scoring_pb2.TeachersResponse(), ignore_unknown_fields=True)
+
+    async def unembedding(self, teacher_key, timeout) -> AsyncIterator[scoring_pb2.TensorChunk]:
+        raise make_error(
+            "UNIMPLEMENTED",
+            "the HTTP API serves no unembedding; fetch it from the server's gRPC port "
+            "(TeacherClient('grpc://host:port').unembedding(...))",
+        )
+        yield  # pragma: no cover - makes this an async generator
+
+    async def close(self) -> None:
+        await self._client.aclose()
