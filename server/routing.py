@@ -4,6 +4,12 @@ Scoring is idempotent, so a request whose replica fails is simply scored again o
 one; the failed replica leaves the rotation, is restarted with exponential backoff in the
 background, and rejoins once it has started and passed its health check. A teacher with no
 healthy replica answers UNAVAILABLE with a retry hint rather than queueing forever.
+
+"In flight" includes the requests still waiting in the failed replica's batcher: closing
+the batcher cancels their futures, and `Replica.score` turns that cancellation (which the
+caller did not ask for) into `ReplicaLost`, so they are retried like the failed batch.
+A periodic health sweep catches replicas that die while idle (a lost Ray actor, a crashed
+engine process) before a request finds out.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from proctor.server.batcher import Batcher
 from proctor.server.engines.base import EngineInfo, EngineRequest, EngineResult, TeacherEngine
@@ -23,6 +30,18 @@ from proctor.server.errors import Code, ScoringError
 log = logging.getLogger(__name__)
 
 EngineFactory = Callable[[], Awaitable[TeacherEngine]]
+POLICIES = ("least_outstanding", "round_robin")
+
+
+class ReplicaLost(RuntimeError):
+    """The replica went down while the request waited on it; the request was not scored."""
+
+
+def _caller_cancelled() -> bool:
+    """Whether the running task itself is being cancelled (not merely a future it awaited)."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)  # Python >= 3.11
+    return bool(cancelling()) if cancelling is not None else False
 
 
 class ReplicaState(str, enum.Enum):
@@ -49,6 +68,26 @@ class Replica:
     failures: int = 0
     restarts: int = 0
     _restart_task: asyncio.Task | None = field(default=None, repr=False)
+    # Bumped whenever the replica is taken down, so a waiter can tell "my replica went away"
+    # from "my caller cancelled me".
+    _generation: int = field(default=0, repr=False)
+
+    @property
+    def load(self) -> int:
+        """Routing load: outstanding tokens, plus what the engine adds (a shared group's other work)."""
+        extra = getattr(self.engine, "extra_load", None)
+        return self.outstanding_tokens + (int(extra()) if callable(extra) else 0)
+
+    async def take_down(self) -> None:
+        """Close the batcher (its waiters get ReplicaLost) and the engine; keep the restart task."""
+        self._generation += 1
+        batcher, engine = self.batcher, self.engine
+        self.batcher, self.engine = None, None
+        if batcher is not None:
+            await batcher.close()
+        if engine is not None:
+            with contextlib.suppress(Exception):
+                await engine.close()
 
     async def start(self) -> None:
         self.state = ReplicaState.LOADING
@@ -65,20 +104,19 @@ class Replica:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._restart_task
             self._restart_task = None
-        if self.batcher is not None:
-            await self.batcher.close()
-            self.batcher = None
-        if self.engine is not None:
-            with contextlib.suppress(Exception):
-                await self.engine.close()
-            self.engine = None
+        await self.take_down()
 
     async def score(self, request: EngineRequest) -> EngineResult:
         if self.batcher is None:
-            raise RuntimeError(f"replica {self.replica_id} is not running")
+            raise ReplicaLost(f"replica {self.replica_id} is not running")
+        generation = self._generation
         self.outstanding_tokens += request.num_tokens
         try:
             result = await self.batcher.submit(request)
+        except asyncio.CancelledError:
+            if generation != self._generation and not _caller_cancelled():
+                raise ReplicaLost(f"replica {self.replica_id} went down with the request queued") from None
+            raise
         finally:
             self.outstanding_tokens -= request.num_tokens
         self.served += 1
@@ -91,8 +129,15 @@ class RestartPolicy:
     max_backoff_s: float = 30.0
 
 
+
 class Teacher:
-    """A named teacher: its routing keys and replicas, and the failover around them."""
+    """A named teacher: its routing keys and replicas, and the failover around them.
+
+    `policy` picks a replica: "least_outstanding" (the default) sends each request to the
+    healthy replica with the fewest tokens queued or running, so a slow or busy replica
+    gets less; "round_robin" cycles through healthy replicas regardless of load (kept for
+    comparison: `bench/routing_bench.py`).
+    """
 
     def __init__(
         self,
@@ -102,15 +147,44 @@ class Teacher:
         keys: tuple[str, ...] = (),
         restart: RestartPolicy | None = None,
         on_replica_state: Callable[[Teacher, Replica], None] | None = None,
+        policy: str = "least_outstanding",
+        health_check_interval_s: float | None = 5.0,
+        swap_groups: tuple[Any, ...] = (),
     ) -> None:
         if not replicas:
             raise ValueError(f"teacher {name!r} has no replicas")
+        if policy not in POLICIES:
+            raise ValueError(f"teacher {name!r}: policy {policy!r} is not one of {', '.join(POLICIES)}")
         self.name = name
         self.replicas = replicas
         self.keys = keys or (name,)
         self.restart_policy = restart or RestartPolicy()
-        self._on_replica_state = on_replica_state
+        self.policy = policy
+        self.health_check_interval_s = health_check_interval_s
+        self.swap_groups = swap_groups
+        self._state_listener = on_replica_state
         self._info: EngineInfo | None = None
+        self._rr = 0
+        self._sweeper: asyncio.Task | None = None
+
+    # The scoring service installs its replica-state callback here. It also owns the metrics
+    # registry, and swap groups count their swaps in it: until the service binds metrics itself
+    # (`Router.attach_metrics`), take them from the object the callback is bound to.
+    @property
+    def _on_replica_state(self) -> Callable[[Teacher, Replica], None] | None:
+        return self._state_listener
+
+    @_on_replica_state.setter
+    def _on_replica_state(self, callback: Callable[[Teacher, Replica], None] | None) -> None:
+        self._state_listener = callback
+        metrics = getattr(getattr(callback, "__self__", None), "metrics", None)
+        if metrics is not None:
+            self.attach_metrics(metrics)
+
+    def attach_metrics(self, metrics: Any) -> None:
+        """Count this teacher's swap groups' weight swaps in `metrics.teacher_swaps`."""
+        for group in self.swap_groups:
+            group.on_swap = lambda teacher, m=metrics: m.teacher_swaps.labels(teacher).inc()
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -118,8 +192,17 @@ class Teacher:
         self._info = self.replicas[0].engine.describe()
         for replica in self.replicas:
             self._notify(replica)
+        if self.health_check_interval_s and self._sweeper is None:
+            self._sweeper = asyncio.get_running_loop().create_task(
+                self._sweep_forever(self.health_check_interval_s), name=f"proctor-health-{self.name}"
+            )
 
     async def stop(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+            self._sweeper = None
         await asyncio.gather(*(r.stop() for r in self.replicas))
 
     @property
@@ -132,27 +215,32 @@ class Teacher:
         return [r for r in self.replicas if r.state is ReplicaState.HEALTHY]
 
     def _notify(self, replica: Replica) -> None:
-        if self._on_replica_state is not None:
-            self._on_replica_state(self, replica)
+        if self._state_listener is not None:
+            self._state_listener(self, replica)
 
     # -- routing and failover --------------------------------------------------------------
     def pick(self, exclude: set[str]) -> Replica | None:
-        """The healthy replica with the least outstanding tokens (ties: fewest served)."""
+        """The next healthy replica by the teacher's policy, skipping those already tried."""
         candidates = [r for r in self.healthy() if r.replica_id not in exclude]
         if not candidates:
             return None
-        return min(candidates, key=lambda r: (r.outstanding_tokens, r.served))
+        if self.policy == "round_robin":
+            self._rr += 1
+            return candidates[self._rr % len(candidates)]
+        # Least outstanding tokens; ties go to the replica that has served fewest.
+        return min(candidates, key=lambda r: (r.load, r.served))
 
     async def score(self, request: EngineRequest) -> EngineResult:
+        """Score on a healthy replica; a replica failure moves the request to another one."""
         tried: set[str] = set()
         last_error: Exception | None = None
         while True:
             replica = self.pick(tried)
             if replica is None:
-                if last_error is not None and tried and len(tried) >= len(self.replicas):
+                if last_error is not None:
                     raise ScoringError(
                         Code.UNAVAILABLE,
-                        f"teacher {self.name!r}: every replica failed this request ({last_error})",
+                        f"teacher {self.name!r}: no healthy replica left to retry this request ({last_error})",
                         retry_after=self._retry_hint(),
                     )
                 raise ScoringError(
@@ -163,10 +251,10 @@ class Teacher:
             tried.add(replica.replica_id)
             try:
                 return await replica.score(request)
-            except asyncio.CancelledError:
+            except (asyncio.CancelledError, ScoringError):
                 raise
-            except ScoringError:
-                raise
+            except ReplicaLost as exc:  # taken down under us: not its fault, nothing to mark
+                last_error = exc
             except Exception as exc:
                 last_error = exc
                 self.mark_failed(replica, exc)
@@ -186,13 +274,7 @@ class Teacher:
 
     async def _restart(self, replica: Replica) -> None:
         backoff = self.restart_policy.initial_backoff_s
-        old_batcher, old_engine = replica.batcher, replica.engine
-        replica.batcher, replica.engine = None, None
-        if old_batcher is not None:
-            await old_batcher.close()
-        if old_engine is not None:
-            with contextlib.suppress(Exception):
-                await old_engine.close()
+        await replica.take_down()
         while True:
             replica.state = ReplicaState.RESTARTING
             self._notify(replica)
@@ -205,7 +287,8 @@ class Teacher:
                 raise
             except Exception as exc:
                 log.warning("restart of %s/%s failed: %s", self.name, replica.replica_id, exc)
-                await replica.stop()
+                replica.state = ReplicaState.RESTARTING
+                await replica.take_down()
                 await asyncio.sleep(backoff)
                 backoff = min(self.restart_policy.max_backoff_s, backoff * 2)
                 continue
@@ -221,8 +304,16 @@ class Teacher:
             ok = False
             with contextlib.suppress(Exception):
                 ok = replica.engine is not None and await replica.engine.check_health()
-            if not ok:
+            if not ok and replica.state is ReplicaState.HEALTHY:
                 self.mark_failed(replica, RuntimeError("health check failed"))
+
+    async def _sweep_forever(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.health_sweep()
+            except Exception:  # a sweep must never die: it is what notices dead replicas
+                log.exception("health sweep of teacher %s failed", self.name)
 
 
 class Router:
@@ -237,6 +328,11 @@ class Router:
                     raise ValueError(f"routing key {key!r} is claimed by two teachers")
                 self._by_key[key] = teacher
             self._by_key.setdefault(teacher.name, teacher)
+
+    def attach_metrics(self, metrics: Any) -> None:
+        """Let every teacher count into the service's metrics (weight swaps)."""
+        for teacher in self.teachers.values():
+            teacher.attach_metrics(metrics)
 
     def route(self, key: str) -> Teacher:
         if not key:
