@@ -488,9 +488,9 @@ def _teachers(config: ProctorConfig, device_kind: str, problems: list[str], note
                 f"other teachers ({others}) are added, so its model would never be used: rename it, e.g. "
                 f"`+distillation.teacher_models.{DEFAULT_TEACHER}1.*` (or teacher_models.<domain>)"
             )
-        else:
+        else:  # verl's untouched default: dropping it is what the user meant
             notes.append(f"teacher_models.{DEFAULT_TEACHER} has no model_path: ignored, as verl does")
-        del entries[DEFAULT_TEACHER]
+            del entries[DEFAULT_TEACHER]
     if not entries:
         problems.append("distillation.teacher_models: no teacher configured (set teacher_models.<name>.model_path)")
     resolved: dict[str, ResolvedTeacher] = {}

@@ -1,0 +1,59 @@
+"""Fault and delay injection around a real engine, for failover drills and routing benchmarks.
+
+`InjectedEngine` wraps a real `TeacherEngine`: it can be made slower (a per-token delay,
+as a slower device would be) or killed (every later call fails and its health check says
+so), which is what a dying replica looks like to the router. Scores still come from the
+wrapped engine, so answers can be checked exactly while replicas fail under them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+from proctor.server.engines.base import EngineError, EngineInfo, EngineRequest, EngineResult, TeacherEngine
+
+
+class InjectedEngine(TeacherEngine):
+    """A real engine plus a kill switch and an optional per-token delay."""
+
+    def __init__(self, inner: TeacherEngine, *, delay_per_token_s: float = 0.0) -> None:
+        self.inner = inner
+        self.delay_per_token_s = delay_per_token_s
+        self.dead = False
+        self.batches = 0
+        self.requests = 0
+
+    def kill(self) -> None:
+        """From now on every batch fails (including one in progress) and health checks fail."""
+        self.dead = True
+
+    async def start(self) -> None:
+        await self.inner.start()
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+    def describe(self) -> EngineInfo:
+        return self.inner.describe()
+
+    def token_budget(self) -> int:
+        return self.inner.token_budget()
+
+    def unembedding(self) -> torch.Tensor:
+        return self.inner.unembedding()
+
+    async def check_health(self) -> bool:
+        return not self.dead and await self.inner.check_health()
+
+    async def score(self, batch: list[EngineRequest]) -> list[EngineResult]:
+        if self.dead:
+            raise EngineError("injected failure: replica is dead")
+        if self.delay_per_token_s:
+            await asyncio.sleep(self.delay_per_token_s * sum(r.num_tokens for r in batch))
+        results = await self.inner.score(batch)
+        if self.dead:  # killed while the batch ran: its results are lost with it
+            raise EngineError("injected failure: replica died mid-batch")
+        self.batches += 1
+        self.requests += len(batch)
+        return results
