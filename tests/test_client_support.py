@@ -1,0 +1,100 @@
+"""Shared pieces of the client tests (no tests here): a float64 reference teacher, a
+delaying engine that makes the real torch engine slow, and servers on fixed loopback ports."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import socket
+from pathlib import Path
+
+import torch
+
+from proctor.server.engines import EngineSpec, TeacherEngine
+from proctor.server.engines.torch_engine import TorchEngine
+from proctor.server.routing import Replica, Router, Teacher
+from proctor.server.runtime import ServerOptions, ServerThread
+
+
+class Reference:
+    """The tiny teacher run directly in float64: log-probs, top-k and hidden states by row."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True).double().eval()
+
+    @torch.no_grad()
+    def rows(self, ids: list[int], first_row: int = 1) -> dict[str, torch.Tensor]:
+        tokens = torch.tensor([ids])
+        hidden = self.model.get_decoder()(input_ids=tokens).last_hidden_state[0]
+        logp = torch.log_softmax(self.model.get_output_embeddings()(hidden), dim=-1)
+        rows = torch.arange(first_row, len(ids))
+        return {
+            "logprobs": logp[rows - 1, tokens[0, rows]],
+            "logp": logp[rows - 1],
+            "hidden": hidden[rows - 1],
+        }
+
+
+class DelayEngine(TeacherEngine):
+    """The real torch engine, with `delay` seconds of (awaitable) latency before each batch:
+    a stand-in for a big teacher, so that deadlines and cancellation have time to act."""
+
+    def __init__(self, spec: EngineSpec, delay: float) -> None:
+        self.inner = TorchEngine(spec)
+        self.delay = delay
+        self.batches_started = 0
+
+    async def start(self) -> None:
+        await self.inner.start()
+
+    def describe(self):
+        return self.inner.describe()
+
+    def unembedding(self):
+        return self.inner.unembedding()
+
+    async def score(self, batch):
+        self.batches_started += 1
+        await asyncio.sleep(self.delay)
+        return await self.inner.score(batch)
+
+    @property
+    def forward_passes(self) -> int:
+        return self.inner.forward_passes
+
+
+def delayed_router(model_dir: Path, delay: float, name: str = "slow") -> Router:
+    spec = EngineSpec(name="torch", model_path=str(model_dir), max_topk=64)
+
+    async def build():
+        return DelayEngine(spec, delay)
+
+    return Router([Teacher(name, [Replica(f"{name}-0", build)])])
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(router: Router, **options) -> ServerThread:
+    options.setdefault("grpc_port", 0)
+    options.setdefault("http_port", 0)
+    return ServerThread(router, ServerOptions(**options)).start()
+
+
+def request_count(server: ServerThread, outcome: str) -> float:
+    """proctor:requests_total summed over teachers and modes for one outcome."""
+    text = server.server.service.metrics.render().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("proctor:requests_total{") and f'outcome="{outcome}"' in line:
+            total += float(re.split(r"\s+", line)[-1])
+    return total
+
+
+def engine_of(server: ServerThread, teacher: str):
+    return server.server.service.router.teachers[teacher].replicas[0].engine
