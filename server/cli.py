@@ -11,7 +11,6 @@ import asyncio
 import logging
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -42,20 +41,20 @@ def _parse_settings(items: list[str]) -> dict:
 
 @app.command()
 def serve(
-    model: Optional[Path] = typer.Option(None, help="Local Hugging Face model directory (default: the built-in tiny teacher)."),
+    model: Path | None = typer.Option(None, help="Local Hugging Face model directory (default: the built-in tiny teacher)."),
     engine: str = typer.Option("torch", help="torch | vllm | vllm_omni"),
-    config: Optional[Path] = typer.Option(None, help="YAML with verl's `distillation:` block and a `server:` block."),
+    config: Path | None = typer.Option(None, help="YAML with verl's `distillation:` block and a `server:` block."),
     host: str = typer.Option("127.0.0.1", help="Address to bind (0.0.0.0 to accept other machines)."),
     grpc_port: int = typer.Option(50051, help="gRPC port (0: any free port)."),
     http_port: int = typer.Option(8000, help="HTTP port (0: any free port)."),
     device: str = typer.Option("cpu", help="cpu | cuda[:N] | npu[:N]"),
     dtype: str = typer.Option("auto", help="auto | float32 | bfloat16 | float16"),
     max_topk: int = typer.Option(64, help="Largest top-k a request may ask for."),
-    max_model_len: Optional[int] = typer.Option(None, help="Longest sequence (default: the model's)."),
+    max_model_len: int | None = typer.Option(None, help="Longest sequence (default: the model's)."),
     replicas: int = typer.Option(1, help="In-process replicas of the teacher."),
     inference: list[str] = typer.Option([], "--inference", help="Engine setting KEY=VALUE (value parsed as JSON when it can be), e.g. gpu_memory_utilization=0.2; repeatable."),
     teacher_name: str = typer.Option("default", help="Name (and routing key) of the teacher."),
-    auth_token_file: Optional[Path] = typer.Option(None, help="File holding the bearer token required on scoring calls."),
+    auth_token_file: Path | None = typer.Option(None, help="File holding the bearer token required on scoring calls."),
     verbose: bool = typer.Option(True, help="Log at INFO."),
 ) -> None:
     """Serve a teacher over gRPC and HTTP until SIGTERM (then drain and exit 0)."""
@@ -89,14 +88,14 @@ def serve(
 
 @app.command()
 def score(
-    ids: Optional[str] = typer.Option(None, help="Comma-separated token ids."),
-    text: Optional[str] = typer.Option(None, help="Text to tokenize with --tokenizer."),
-    tokenizer: Optional[Path] = typer.Option(None, help="Tokenizer directory for --text (default: the tiny teacher)."),
+    ids: str | None = typer.Option(None, help="Comma-separated token ids."),
+    text: str | None = typer.Option(None, help="Text to tokenize with --tokenizer."),
+    tokenizer: Path | None = typer.Option(None, help="Tokenizer directory for --text (default: the tiny teacher)."),
     target: str = typer.Option("grpc://127.0.0.1:50051", help="grpc://host:port or http://host:port"),
     teacher_key: str = typer.Option("", help="Routing key (optional with one teacher)."),
-    prompt_length: Optional[int] = typer.Option(None, help="First response position."),
+    prompt_length: int | None = typer.Option(None, help="First response position."),
     topk: int = typer.Option(5, help="Top-k per row (0: none)."),
-    token: Optional[str] = typer.Option(None, envvar="PROCTOR_AUTH_TOKEN", help="Bearer token."),
+    token: str | None = typer.Option(None, envvar="PROCTOR_AUTH_TOKEN", help="Bearer token."),
 ) -> None:
     """Score token ids or text against a running server and print a table."""
     from proctor.server.score_cli import format_table, score_once, tokenize

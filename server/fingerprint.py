@@ -29,7 +29,7 @@ _SAMPLE_BYTES = 1 << 20
 _SAMPLES = 16
 
 
-def _hash_large(path: Path, digest: "hashlib._Hash") -> None:
+def _hash_large(path: Path, digest: hashlib._Hash) -> None:
     size = path.stat().st_size
     digest.update(str(size).encode())
     with path.open("rb") as handle:

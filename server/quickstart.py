@@ -26,5 +26,5 @@ def run_quickstart() -> None:
             by_http = score_once(server.http_url, ids, prompt_length=len(prompt_ids), topk=3)
             print(f"prompt {prompt!r}  response {response!r}  (through gRPC)")
             print(format_table(ids, by_grpc, tok))
-            worst = max(abs(a - b) for a, b in zip(by_grpc.logprobs, by_http.logprobs))
+            worst = max(abs(a - b) for a, b in zip(by_grpc.logprobs, by_http.logprobs, strict=True))
             print(f"HTTP gives the same log-probs: max |gRPC - HTTP| = {worst:.2e}\n")

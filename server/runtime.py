@@ -14,6 +14,7 @@ import signal
 import socket
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import uvicorn
 
@@ -66,8 +67,8 @@ class ProctorServer:
         auth = TokenAuth(options.auth_token)
         tls = None
         if options.tls_cert_file and options.tls_key_file:
-            client_ca = open(options.tls_client_ca_file, "rb").read() if options.tls_client_ca_file else None
-            tls = (open(options.tls_cert_file, "rb").read(), open(options.tls_key_file, "rb").read(), client_ca)
+            client_ca = Path(options.tls_client_ca_file).read_bytes() if options.tls_client_ca_file else None
+            tls = (Path(options.tls_cert_file).read_bytes(), Path(options.tls_key_file).read_bytes(), client_ca)
         self.grpc = GrpcServer(
             self.service,
             host=options.host,

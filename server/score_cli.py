@@ -88,6 +88,6 @@ def format_table(token_ids: list[int], scores: RowScores, tokenizer=None) -> str
         pos = scores.first_row + offset
         top = ""
         if scores.topk_ids:
-            top = "  ".join(f"{show(i)}({lp:.2f})" for i, lp in zip(scores.topk_ids[offset], scores.topk_logprobs[offset]))
+            top = "  ".join(f"{show(i)}({lp:.2f})" for i, lp in zip(scores.topk_ids[offset], scores.topk_logprobs[offset], strict=True))
         lines.append(f"{pos:>4}  {show(token_ids[pos]):<18} {logprob:>9.4f}  {top}")
     return "\n".join(lines)

@@ -15,9 +15,10 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from reference import reference_rows
 
 from proctor.proto import decode_tensor, scoring_pb2, scoring_pb2_grpc
+
+from reference import reference_rows
 
 
 def _ids(length: int, seed: int, vocab: int = 512) -> list[int]:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import grpc
 import pytest
 import torch
-from reference import reference_rows
 
 from proctor.proto import decode_tensor, scoring_pb2, scoring_pb2_grpc
+
+from reference import reference_rows
 
 
 @pytest.fixture(scope="module")

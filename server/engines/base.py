@@ -115,10 +115,10 @@ class TeacherEngine(abc.ABC):
         """Most tokens the engine wants in one batch (the service's batcher respects it)."""
         return 8192
 
-    async def start(self) -> None:
+    async def start(self) -> None:  # noqa: B027  (optional hook)
         """Load weights / start background workers (called once before serving)."""
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027  (optional hook)
         """Release devices and background workers."""
 
     async def check_health(self) -> bool:

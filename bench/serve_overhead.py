@@ -1,0 +1,115 @@
+"""What the service costs over the bare engine, and what batching buys.
+
+Prints, from one run on one machine (ratios; absolute times on a noisy machine mean little):
+  A  the torch engine called in-process on batches of the same inputs (no transport)
+  B  the same inputs through a real `proctor serve` process over gRPC, 32 concurrent clients
+  C  the same inputs through gRPC one at a time (serial single requests)
+and the ratios B/A (goal >= 0.9) and B/C (goal >= 3).
+
+    .venv/bin/python bench/serve_overhead.py [--requests 256] [--length 256] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from proctor.proto import scoring_pb2, scoring_pb2_grpc
+from proctor.server.engines import EngineRequest, EngineSpec, create_engine
+from proctor.server.tiny_model import make_tiny_model
+
+from conftest import SubprocessServer
+
+
+def sequences(count: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(length)] for _ in range(count)]
+
+
+async def in_process(model: Path, seqs: list[list[int]], topk: int, batch: int) -> float:
+    engine = create_engine(EngineSpec(name="torch", model_path=str(model)))
+    await engine.start()
+    requests = [
+        EngineRequest(str(i), torch.tensor(s), first_row=len(s) // 2, logprobs=True, topk=topk, hidden_states=False)
+        for i, s in enumerate(seqs)
+    ]
+    await engine.score(requests[:batch])  # warm-up
+    started = time.perf_counter()
+    for lo in range(0, len(requests), batch):
+        await engine.score(requests[lo : lo + batch])
+    elapsed = time.perf_counter() - started
+    await engine.close()
+    return elapsed
+
+
+async def through_grpc(target: str, seqs: list[list[int]], topk: int, concurrency: int) -> float:
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = scoring_pb2_grpc.TeacherScoringStub(channel)
+
+        def request(ids):
+            return scoring_pb2.ScoreRequest(token_ids=ids, prompt_length=len(ids) // 2, logprobs=True, topk=topk)
+
+        await stub.Score(request(seqs[0]))  # warm-up
+        queue = list(enumerate(seqs))
+        answered = [0]
+
+        async def worker():
+            while queue:
+                _, ids = queue.pop()
+                await stub.Score(request(ids))
+                answered[0] += 1
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - started
+        assert answered[0] == len(seqs)
+        return elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--length", type=int, default=256)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--quick", action="store_true", help="a small smoke run")
+    args = parser.parse_args()
+    if args.quick:
+        args.requests, args.length, args.hidden, args.layers, args.vocab = 48, 64, 64, 2, 512
+    work = Path(tempfile.mkdtemp(prefix="proctor-bench-"))
+    model = make_tiny_model(work / "teacher", vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
+                            num_heads=4, num_kv_heads=2, intermediate_size=args.hidden * 2)
+    seqs = sequences(args.requests, args.length, args.vocab)
+    tokens = args.requests * args.length
+    server = SubprocessServer(["--model", str(model), "--max-model-len", str(args.length + 8), "--no-verbose"])
+    try:
+        batched = asyncio.run(through_grpc(server.grpc_target, seqs, args.topk, args.concurrency))
+        serial = asyncio.run(through_grpc(server.grpc_target, seqs, args.topk, 1))
+    finally:
+        server.stop()
+    direct = asyncio.run(in_process(model, seqs, args.topk, args.concurrency))
+    print(f"teacher: hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}; "
+          f"{args.requests} requests x {args.length} tokens, top-{args.topk}; torch threads {torch.get_num_threads()}")
+    print(f"{'path':<44} {'seconds':>9} {'tokens/s':>10}")
+    for name, seconds in ((f"A in-process engine, batches of {args.concurrency}", direct),
+                          (f"B gRPC, {args.concurrency} concurrent clients", batched),
+                          ("C gRPC, serial single requests", serial)):
+        print(f"{name:<44} {seconds:>9.3f} {tokens / seconds:>10.0f}")
+    print(f"B / A throughput (service vs in-process; goal >= 0.9): {direct / batched:.2f}")
+    print(f"B / C throughput (batched vs serial; goal >= 3):      {serial / batched:.2f}")
+
+
+if __name__ == "__main__":
+    main()
