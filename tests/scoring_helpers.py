@@ -14,6 +14,7 @@ import torch
 import yaml
 from proctor.proto import scoring_pb2, scoring_pb2_grpc
 from proctor.proto.codec import decode_tensor
+from proctor.server.engines import EngineSpec
 
 
 @functools.cache
@@ -92,3 +93,52 @@ def cpu_config(teachers: dict, *, devices: int, server: dict | None = None) -> d
         "server": {"device": "cpu", "grpc_port": 0, "http_port": 0, "health_check_interval_s": 0.5,
                    "restart_initial_backoff_s": 0.1, **(server or {})},
     }
+
+
+class InjectedReplicas:
+    """A teacher whose replicas are real torch engines wrapped in `InjectedEngine`.
+
+    `engines[i]` is replica i's current engine (a restart builds a new one); `fail_restarts`
+    makes restarts fail until cleared.
+    """
+
+    def __init__(self, model_dir, *, delays: list[float], policy: str = "least_outstanding",
+                 health_check_interval_s: float | None = None) -> None:
+        from proctor.server.chaos import InjectedEngine
+        from proctor.server.engines import create_engine
+        from proctor.server.routing import Replica, RestartPolicy, Router, Teacher
+
+        self.engines: list[InjectedEngine | None] = [None] * len(delays)
+        self.built = [0] * len(delays)
+        self.fail_restarts = False
+        spec = EngineSpec("torch", str(model_dir), dtype="float32")
+
+        def factory(i: int):
+            async def build():
+                if self.fail_restarts and self.built[i]:
+                    raise RuntimeError("injected: replica cannot come back yet")
+                self.built[i] += 1
+                self.engines[i] = InjectedEngine(create_engine(spec), delay_per_token_s=delays[i])
+                return self.engines[i]
+
+            return build
+
+        self.replicas = [Replica(f"r{i}", factory(i)) for i in range(len(delays))]
+        self.teacher = Teacher("t", self.replicas, policy=policy, health_check_interval_s=health_check_interval_s,
+                               restart=RestartPolicy(initial_backoff_s=0.05, max_backoff_s=0.2))
+        self.router = Router([self.teacher])
+
+    def serve(self):
+        from proctor.server.runtime import ServerOptions, ServerThread
+
+        return ServerThread(self.router, ServerOptions(grpc_port=0, http_port=0)).start()
+
+
+def wait_for(predicate, timeout: float = 30.0, interval: float = 0.05) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(interval)
