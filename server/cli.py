@@ -55,12 +55,15 @@ def serve(
     inference: list[str] = typer.Option([], "--inference", help="Engine setting KEY=VALUE (value parsed as JSON when it can be), e.g. gpu_memory_utilization=0.2; repeatable."),
     teacher_name: str = typer.Option("default", help="Name (and routing key) of the teacher."),
     auth_token_file: Path | None = typer.Option(None, help="File holding the bearer token required on scoring calls."),
+    max_queue_requests: int = typer.Option(1024, help="Requests admitted per teacher (running + waiting) before 429s."),
+    max_queue_tokens: int = typer.Option(8_000_000, help="Tokens admitted per teacher before 429s."),
     verbose: bool = typer.Option(True, help="Log at INFO."),
 ) -> None:
     """Serve a teacher over gRPC and HTTP until SIGTERM (then drain and exit 0)."""
     from proctor.server.auth import load_token
     from proctor.server.engines import EngineSpec
     from proctor.server.runtime import ProctorServer, ServerOptions, single_teacher_router
+    from proctor.server.service import Limits
     from proctor.server.tiny_model import ensure_default_model
 
     _logging(verbose)
@@ -76,7 +79,8 @@ def serve(
         spec = EngineSpec(name=engine, model_path=str(path), device=device, dtype=dtype, max_topk=max_topk, inference=settings)
         router = single_teacher_router(spec, name=teacher_name, replicas=replicas)
         options = ServerOptions(host=host, grpc_port=grpc_port, http_port=http_port,
-                                auth_token=load_token(token_file=str(auth_token_file) if auth_token_file else None))
+                                auth_token=load_token(token_file=str(auth_token_file) if auth_token_file else None),
+                                limits=Limits(max_queue_requests=max_queue_requests, max_queue_tokens=max_queue_tokens))
 
     async def main() -> int:
         server = ProctorServer(router, options)
