@@ -21,10 +21,10 @@ from pathlib import Path
 import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from conftest import SubprocessServer  # noqa: E402
+from proctor.proto import scoring_pb2, scoring_pb2_grpc
+from proctor.server.tiny_model import make_tiny_model
 
-from proctor.proto import scoring_pb2, scoring_pb2_grpc  # noqa: E402
-from proctor.server.tiny_model import make_tiny_model  # noqa: E402
+from conftest import SubprocessServer
 
 
 async def level(target: str, concurrency: int, total: int, seconds: float, length: int) -> dict:
