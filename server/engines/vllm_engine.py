@@ -1,0 +1,220 @@
+"""A teacher replica on vLLM's async engine (`AsyncLLM`): log-probs, top-k, hidden states.
+
+Scoring is a pure prefill: each sequence goes to the engine as `TokensPrompt` with
+`SamplingParams(max_tokens=1, prompt_logprobs=K, detokenize=False, flat_logprobs=True)`; vLLM
+returns, per position, the actual token's log-prob and the K best candidates, from the raw
+logits (`logprobs_mode=raw_logprobs`, so temperature never applies). The requests of a batch are
+submitted concurrently and vLLM's scheduler batches them continuously. Prompt logprobs skip the
+prefix cache (vLLM sets `skip_reading_prefix_cache` for them), so every row is computed.
+
+Hidden states: a second engine, on vLLM's pooling runner. One vLLM instance runs one runner
+("generate" or "pooling"), and the generate runner has no per-token hidden-state output. The
+alternative, the `extract_hidden_states` speculative method, would keep one engine but returns
+the states of chosen layers *before* the final norm through a KV connector that writes a
+safetensors file per request to shared storage (the example connector also needs CUDA streams),
+so every score would go through the file system. The pooling replica instead is
+`runner="pooling"`, `convert="embed"`, `PoolerConfig(task="token_embed", tok_pooling_type="ALL",
+use_activation=False)` and `encode(..., PoolingParams(task="token_embed"))`: it returns the
+last layer's output after the final norm for every position, exactly what `lm_head` consumes
+(row i = position i-1). It starts lazily, on the first request that asks for hidden states, so
+a teacher used only for log-probs pays nothing.
+
+Cost of the pooling replica: a second copy of the weights, its own (small) KV cache and an
+engine-core process; on the tiny test model (CPU) the two engine processes together peak at
+about 3.4 GB RSS against 2.9 GB for one, dominated by vLLM's runtime, not the weights. On a GPU
+the two engines split the memory: `engine_kwargs.vllm.hidden_states_gpu_memory_utilization`
+(default: half of `gpu_memory_utilization`, the generate engine keeps the other half; on CPU
+each takes `gpu_memory_utilization` of the memory node) must hold one more copy of the weights
+plus a KV cache of at least `max_model_len` tokens. The pooling replica always runs without
+chunked prefill and with `max_num_batched_tokens >= max_model_len` (a pooled sequence is one
+step). Set `inference.hidden_states: false` to turn hidden states off altogether.
+
+`unembedding()` is read from the checkpoint's safetensors (lm_head, or the embeddings when
+tied), never from the engine processes. Devices: `spec.devices` become CUDA_VISIBLE_DEVICES /
+ASCEND_RT_VISIBLE_DEVICES while the engine processes are spawned.
+
+vLLM must be started from a process whose main module is import-safe (the CLI starts the
+server under `if __name__ == "__main__"`): vLLM spawns its engine-core processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import torch
+
+from proctor.server.engines.base import EngineError, EngineRequest, EngineResult
+from proctor.server.engines.checks import check_vllm_settings
+from proctor.server.engines.vllm_common import (
+    VllmFamilyEngine,
+    check_cpu_head_dim,
+    engine_args_from_settings,
+    engine_request_id,
+    extract_rows,
+    hidden_rows,
+    model_facts,
+    scoring_sampling_kwargs,
+)
+
+log = logging.getLogger(__name__)
+
+
+def _import_vllm():
+    try:
+        import vllm  # noqa: F401
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise EngineError("inference.name=vllm needs vLLM: pip install 'proctor[vllm]'") from exc
+    from vllm import SamplingParams, TokensPrompt
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    return SamplingParams, TokensPrompt, AsyncEngineArgs, AsyncLLM
+
+
+def split_memory(args: dict[str, Any], pooled: dict[str, Any], device: str, explicit: bool) -> None:
+    """Share `gpu_memory_utilization` between the generate and pooling engines on accelerators."""
+    if device.startswith("cpu") or explicit:
+        return
+    total = float(args.get("gpu_memory_utilization") or 0.9)
+    args["gpu_memory_utilization"] = total / 2
+    pooled["gpu_memory_utilization"] = total / 2
+
+
+class VllmEngine(VllmFamilyEngine):
+    """One teacher replica: an AsyncLLM for log-probs/top-k, a pooling AsyncLLM for hidden states."""
+
+    engine_name = "vllm"
+
+    def __init__(self, spec) -> None:
+        super().__init__(spec)
+        self._llm = None
+        self._pooler = None
+        self._pooler_lock = asyncio.Lock()
+        self._pooler_failed: BaseException | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def _validate(self) -> None:
+        check_vllm_settings(
+            self.settings,
+            topk=self.spec.max_topk,
+            max_logprobs=self.max_logprobs,
+            hidden_states=self.settings.get("hidden_states") is True,
+        )
+        check_cpu_head_dim(model_facts(self.spec.model_path), self.spec.device)
+
+    def _engine_args(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        args = engine_args_from_settings(self.spec, max_logprobs=self.max_logprobs)
+        pooled = engine_args_from_settings(self.spec, max_logprobs=self.max_logprobs, hidden_states=True)
+        explicit = "hidden_states_gpu_memory_utilization" in (
+            (self.settings.get("engine_kwargs") or {}).get("vllm") or {}
+        )
+        if self.serves_hidden_states:
+            split_memory(args, pooled, self.spec.device, explicit)
+        if args.get("max_model_len") is None:
+            args["max_model_len"] = pooled["max_model_len"] = self.facts.max_position_embeddings or None
+        if pooled.get("max_model_len") is not None:
+            pooled["max_num_batched_tokens"] = max(
+                int(pooled.get("max_num_batched_tokens") or 0), int(pooled["max_model_len"])
+            )
+        pooled.update(runner="pooling", convert="embed")
+        return args, pooled
+
+    async def _start_engines(self) -> None:
+        _, _, AsyncEngineArgs, AsyncLLM = _import_vllm()
+        args, self._pooled_args = self._engine_args()
+        log.info("starting vLLM teacher %s: %s", self.spec.model_path, args)
+        self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, AsyncEngineArgs(**args))
+
+    async def _pooling_engine(self):
+        """The pooling replica, started on first use (under the replica's devices)."""
+        if self._pooler is not None:
+            return self._pooler
+        async with self._pooler_lock:
+            if self._pooler is None:
+                if self._pooler_failed is not None:
+                    raise EngineError(f"the hidden-states engine failed to start: {self._pooler_failed}")
+                from vllm.config import PoolerConfig
+
+                _, _, AsyncEngineArgs, AsyncLLM = _import_vllm()
+                from proctor.server.engines.vllm_common import device_env, scoped_env
+
+                args = dict(self._pooled_args)
+                args["pooler_config"] = PoolerConfig(
+                    task="token_embed", tok_pooling_type="ALL", use_activation=False
+                )
+                log.info("starting vLLM hidden-states (pooling) engine: %s", args)
+                try:
+                    with scoped_env(device_env(self.spec)):
+                        pooler = await asyncio.to_thread(AsyncLLM.from_engine_args, AsyncEngineArgs(**args))
+                except Exception as exc:
+                    self._pooler_failed = exc
+                    raise EngineError(f"the hidden-states engine failed to start: {exc}") from exc
+                if self._closed:  # closed while starting
+                    pooler.shutdown()
+                    raise EngineError("vllm engine closed")
+                self._pooler = pooler
+        return self._pooler
+
+    async def _engine_max_model_len(self) -> int:
+        return int(self._llm.model_config.max_model_len)
+
+    async def close(self) -> None:
+        self._closed = True
+        async with self._pooler_lock:
+            engines, self._llm, self._pooler = (self._llm, self._pooler), None, None
+        for engine in engines:
+            if engine is not None:
+                await asyncio.to_thread(engine.shutdown)
+
+    async def check_health(self) -> bool:
+        if self._llm is None or self._closed:
+            return False
+        try:
+            await self._llm.check_health()
+        except Exception:
+            return False
+        return not self._llm.errored
+
+    # -- scoring ---------------------------------------------------------------------------
+    async def _score_one(self, request: EngineRequest) -> EngineResult:
+        result = EngineResult(first_row=request.first_row)
+        jobs = []
+        if request.logprobs or request.topk:
+            jobs.append(self._logprobs(request, result))
+        if request.hidden_states:
+            jobs.append(self._hidden(request, result))
+        await asyncio.gather(*jobs)
+        return result
+
+    async def _logprobs(self, request: EngineRequest, result: EngineResult) -> None:
+        SamplingParams, TokensPrompt, _, _ = _import_vllm()
+        params = SamplingParams(**scoring_sampling_kwargs(request.topk))
+        prompt = TokensPrompt(prompt_token_ids=request.token_ids.tolist())
+        final = None
+        async for output in self._llm.generate(prompt, params, request_id=engine_request_id(request)):
+            final = output
+        if final is None:
+            raise EngineError("vLLM returned no output")
+        lp, ids, vals = extract_rows(
+            final.prompt_logprobs, request.token_ids, request.first_row, request.topk, logprobs=request.logprobs
+        )
+        result.logprobs, result.topk_ids, result.topk_logprobs = lp, ids, vals
+
+    async def _hidden(self, request: EngineRequest, result: EngineResult) -> None:
+        from vllm import TokensPrompt
+        from vllm.pooling_params import PoolingParams
+
+        pooler = await self._pooling_engine()
+        prompt = TokensPrompt(prompt_token_ids=request.token_ids.tolist())
+        final = None
+        async for output in pooler.encode(
+            prompt, PoolingParams(task="token_embed"), request_id=engine_request_id(request)
+        ):
+            final = output
+        if final is None:
+            raise EngineError("vLLM returned no pooled output")
+        states = torch.as_tensor(final.outputs.data)
+        rows = hidden_rows(states, request.num_tokens, request.first_row)
+        result.hidden_states = rows.to(device="cpu", dtype=self._dtype).contiguous()

