@@ -1,8 +1,9 @@
 """Fault and delay injection around a real engine, for failover drills and routing benchmarks.
 
 `InjectedEngine` wraps a real `TeacherEngine`: it can be made slower (a per-token delay,
-as a slower device would be) or killed (every later call fails and its health check says
-so), which is what a dying replica looks like to the router. Scores still come from the
+as a slower device would be), killed (every later call fails and its health check says
+so: a crashed replica) or frozen (calls never return and the health check fails: a wedged
+device or a hung actor), which is what failing replicas look like to the router. Scores still come from the
 wrapped engine, so answers can be checked exactly while replicas fail under them.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 
 import torch
+
 from proctor.server.engines.base import EngineError, EngineInfo, EngineRequest, EngineResult, TeacherEngine
 
 
@@ -21,12 +23,21 @@ class InjectedEngine(TeacherEngine):
         self.inner = inner
         self.delay_per_token_s = delay_per_token_s
         self.dead = False
+        self.frozen = False
         self.batches = 0
         self.requests = 0
 
     def kill(self) -> None:
         """From now on every batch fails (including one in progress) and health checks fail."""
         self.dead = True
+
+    def freeze(self) -> None:
+        """From now on no batch returns (including one in progress) and health checks fail."""
+        self.frozen = True
+
+    async def _hang_if_frozen(self) -> None:
+        if self.frozen:
+            await asyncio.Event().wait()  # until cancelled
 
     async def start(self) -> None:
         await self.inner.start()
@@ -44,14 +55,16 @@ class InjectedEngine(TeacherEngine):
         return self.inner.unembedding()
 
     async def check_health(self) -> bool:
-        return not self.dead and await self.inner.check_health()
+        return not (self.dead or self.frozen) and await self.inner.check_health()
 
     async def score(self, batch: list[EngineRequest]) -> list[EngineResult]:
         if self.dead:
             raise EngineError("injected failure: replica is dead")
+        await self._hang_if_frozen()
         if self.delay_per_token_s:
             await asyncio.sleep(self.delay_per_token_s * sum(r.num_tokens for r in batch))
         results = await self.inner.score(batch)
+        await self._hang_if_frozen()
         if self.dead:  # killed while the batch ran: its results are lost with it
             raise EngineError("injected failure: replica died mid-batch")
         self.batches += 1
