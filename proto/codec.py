@@ -35,11 +35,16 @@ if sys.byteorder != "little":  # pragma: no cover - every supported host is litt
 def encode_tensor(value: torch.Tensor | np.ndarray, *, first_row: int = 0) -> scoring_pb2.Tensor:
     """Pack a tensor as raw bytes; bf16 keeps its 16-bit pattern (half the bytes of float32)."""
     if isinstance(value, torch.Tensor):
-        tensor = value.detach()
+        # Each torch call below is skipped when it would be a no-op: on a server's event loop
+        # every dispatch into torch can wait on the engine thread, so the fast path matters.
+        tensor = value.detach() if value.requires_grad else value
         if tensor.dtype not in _TORCH_TO_WIRE:
             raise ValueError(f"tensor dtype {tensor.dtype} has no wire encoding")
         name = _TORCH_TO_WIRE[tensor.dtype]
-        tensor = tensor.to("cpu").contiguous()
+        if tensor.device.type != "cpu":
+            tensor = tensor.to("cpu")
+        if not tensor.is_contiguous():
+            tensor = tensor.contiguous()
         storage = tensor.view(torch.int16) if name == "bfloat16" else tensor
         data = storage.numpy().tobytes()
         shape = list(tensor.shape)

@@ -25,14 +25,19 @@ def _header(scored: Scored) -> dict:
     }
 
 
+def _as(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cast only when needed (engines already return wire dtypes; a cast is a torch dispatch)."""
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)
+
+
 def _small_outputs(scored: Scored) -> dict:
     result, first = scored.result, scored.result.first_row
     out = {}
     if result.logprobs is not None:
-        out["logprobs"] = encode_tensor(result.logprobs.float(), first_row=first)
+        out["logprobs"] = encode_tensor(_as(result.logprobs, torch.float32), first_row=first)
     if result.topk_ids is not None:
-        out["topk_ids"] = encode_tensor(result.topk_ids.to(torch.int32), first_row=first)
-        out["topk_logprobs"] = encode_tensor(result.topk_logprobs.float(), first_row=first)
+        out["topk_ids"] = encode_tensor(_as(result.topk_ids, torch.int32), first_row=first)
+        out["topk_logprobs"] = encode_tensor(_as(result.topk_logprobs, torch.float32), first_row=first)
     return out
 
 

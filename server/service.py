@@ -17,6 +17,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from proctor.proto import scoring_pb2
@@ -143,8 +144,9 @@ class ScoringService:
                 "token_ids",
                 f"has {len(ids)} tokens, more than teacher {teacher.name!r} accepts (max_model_len {info.max_model_len})",
             )
-        tensor = torch.tensor(ids, dtype=torch.int64)
-        low, high = int(tensor.min()), int(tensor.max())
+        # numpy, not torch: torch calls on the event loop can stall behind the engine's thread.
+        array = np.asarray(ids, dtype=np.int64)
+        low, high = int(array.min()), int(array.max())
         if low < 0 or high >= info.vocab_size:
             bad = low if low < 0 else high
             position = ids.index(bad)
@@ -182,7 +184,7 @@ class ScoringService:
                 )
         return EngineRequest(
             request_id=request.request_id,
-            token_ids=tensor,
+            token_ids=torch.from_numpy(array),
             first_row=first_row,
             logprobs=request.logprobs,
             topk=request.topk,
