@@ -77,9 +77,9 @@ def _device_mem(device: str) -> tuple[int, int]:
 def _make_step(variant: str, args: argparse.Namespace, sh, sw, th, tw):
     """A closure running one forward + backward of ``variant``; returns the loss sum."""
     import torch
-    from proctor.client.loss import full_vocab_kl
 
     kw = dict(direction=args.direction, chunk_tokens=args.chunk_tokens, chunk_vocab=args.chunk_vocab)
+    from proctor.client.loss import full_vocab_kl
 
     if variant == "dense":
 
@@ -145,10 +145,12 @@ def _child(args: argparse.Namespace) -> None:
     g = torch.Generator(device="cpu").manual_seed(0)
     dev = args.device
     scale = 2.0 / args.h**0.5
+    # Scaled in place: a temporary copy would raise the RSS high-water mark before the baseline
+    # is taken, and later allocations would then hide in that slack.
     sh = torch.randn(args.n, args.h, generator=g).to(dev).requires_grad_()
-    sw = (torch.randn(args.v, args.h, generator=g) * scale).to(dev).requires_grad_()
+    sw = torch.randn(args.v, args.h, generator=g).mul_(scale).to(dev).requires_grad_()
     th = torch.randn(args.n, args.h, generator=g).to(dev)
-    tw = (torch.randn(args.v, args.h, generator=g) * scale).to(dev)
+    tw = torch.randn(args.v, args.h, generator=g).mul_(scale).to(dev)
     _sync(dev)
     on_cpu = dev == "cpu"
     if on_cpu:
@@ -228,7 +230,8 @@ def main(argv: list[str] | None = None) -> None:
         f"device={args.device} torch={torch.__version__} threads={torch.get_num_threads()}"
     )
     print(f"matmul rate {rate / 1e9:.1f} GFLOP/s -> floor (4 x 2NHV) {floor_s:.3f} s; "
-          f"dense [N, V] float32 = {args.n * args.v * 4 / 2**20:.0f} MiB")
+          f"dense [N, V] float32 = {args.n * args.v * 4 / 2**20:.0f} MiB; "
+          f"load average at start {os.getloadavg()[0]:.2f}")
     header = f"{'variant':<40} {'time s':>8} {'x dense':>8} {'x floor':>8} {'peak MiB':>9} {'x dense':>8}  check"
     print(header)
     print("-" * len(header))
@@ -251,6 +254,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{label:<40} {r['time_s']:>8.3f} {t_ratio:>8.2f} {r['time_s'] / floor_s:>8.2f} "
             f"{r['peak_extra_bytes'] / 2**20:>9.1f} {m_ratio:>8.3f}  {check}"
         )
+    print(f"load average at end {os.getloadavg()[0]:.2f} (other work on the machine inflates wall times)")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from proctor.client.loss import AGG_MODES, aggregate
 
 

@@ -6,8 +6,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from loss_reference import full_vocab_ref, make_case, rel_err, topk_of
+
 from proctor.client.loss import aggregate, distillation_loss, full_vocab_kl, sampled_kl, topk_kl
+
+from loss_reference import full_vocab_ref, make_case, rel_err, topk_of
 
 
 def _sampled(n=10, seed=0):

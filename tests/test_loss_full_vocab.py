@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from loss_reference import F64, full_vocab_ref, make_case, rel_err
+
 from proctor.client.loss import full_vocab_kl
+
+from loss_reference import F64, full_vocab_ref, make_case, rel_err
 
 DIRECTIONS = [("forward", 0.5), ("reverse", 0.5), ("jsd", 0.5), ("jsd", 0.2), ("jsd", 0.9)]
 TOL = 1e-5

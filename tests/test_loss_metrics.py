@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+
 from proctor.client.loss import loss_metrics
 
 

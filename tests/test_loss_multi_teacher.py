@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from loss_reference import F64, full_vocab_ref, make_case, rel_err
+
 from proctor.client.loss import full_vocab_kl
+
+from loss_reference import F64, full_vocab_ref, make_case, rel_err
 
 
 def _two_teachers(n=24, v=60):

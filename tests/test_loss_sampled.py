@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from loss_reference import F64, rel_err, sampled_ref
+
 from proctor.client.loss import SAMPLED_MODES, sampled_kl
+
+from loss_reference import F64, rel_err, sampled_ref
 
 
 def _logprobs(n=64, seed=0):

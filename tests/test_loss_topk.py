@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from loss_reference import F64, make_case, rel_err, topk_of, topk_ref
+
 from proctor.client.loss import topk_kl, topk_masses
+
+from loss_reference import F64, make_case, rel_err, topk_of, topk_ref
 
 TOL = 1e-5
 CASES = [("forward", 0.5, None), ("forward", 0.5, -4.0), ("reverse", 0.5, None), ("jsd", 0.5, None), ("jsd", 0.1, None)]

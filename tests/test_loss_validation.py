@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from proctor.client.loss import full_vocab_kl, sampled_kl, topk_kl
 
 N, H, V, K = 6, 8, 20, 3
