@@ -2,9 +2,10 @@
 
 An engine scores a *batch* of requests at once. The service hands it whatever it has
 batched; an engine with its own scheduler (vLLM) fans the batch out, the torch engine pads
-it into one forward pass. A batch is a list so that an engine can spot requests that share a
-prompt (the n responses of one GRPO group) and prefill that prompt once: `shared_prefix`
-groups such requests. Results follow the row convention of the wire contract: row i is about
+it into one forward pass. A batch is a list, not one request at a time, so that an engine can
+spot requests that share a prompt (the n responses of one GRPO group: equal token ids up to
+their `first_row`) and prefill that prompt once; no engine does that yet (vLLM's prefix cache
+does it on its own). Results follow the row convention of the wire contract: row i is about
 token i given tokens 0..i-1, rows `first_row..T-1` are returned.
 """
 
