@@ -152,14 +152,22 @@ class ServerThread:
         self.server: ProctorServer | None = None
         self._thread = threading.Thread(target=self.loop.run_forever, name="proctor-server", daemon=True)
 
-    def start(self, timeout: float = 300) -> ServerThread:
+    def start(self, timeout: float = 300, *, wait: bool = True) -> ServerThread:
+        """Start serving; with wait=False return as soon as the ports are bound (engines may still load)."""
         self._thread.start()
+        bound = threading.Event()
 
         async def boot():
             self.server = ProctorServer(self._router, self._options)
+            bound.set()
             await self.server.start()
 
-        asyncio.run_coroutine_threadsafe(boot(), self.loop).result(timeout)
+        loading = asyncio.run_coroutine_threadsafe(boot(), self.loop)
+        if wait:
+            loading.result(timeout)
+        else:
+            bound.wait(timeout)
+            self.loading = loading
         return self
 
     def call(self, coro, timeout: float = 300):

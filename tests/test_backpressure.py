@@ -134,6 +134,10 @@ def test_sigterm_drains_admitted_requests_and_exits_zero(tiny_model_dir):
     time.sleep(0.2)  # all eight are admitted (one batch running, the rest waiting)
     proc.send_signal(signal.SIGTERM)
     time.sleep(0.1)
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
     with pytest.raises(grpc.RpcError) as late:
         stub.Score(_request(99), timeout=5)
     assert late.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
