@@ -8,11 +8,12 @@ import time
 import grpc
 import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from slow_engine import DelayedEngine
 
 from proctor.server.engines import EngineSpec, create_engine
 from proctor.server.routing import Replica, Router, Teacher
 from proctor.server.runtime import ServerOptions, ServerThread
+
+from slow_engine import DelayedEngine
 
 
 class SlowLoadingEngine(DelayedEngine):
