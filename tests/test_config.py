@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import io
 import textwrap
+from pathlib import Path
 
 import pytest
+import yaml
+from scoring_helpers import cpu_config, torch_teacher, write_config
+from typer.testing import CliRunner
+
 from proctor.server.cli import app
 from proctor.server.config import (
     ConfigError,
@@ -14,8 +19,6 @@ from proctor.server.config import (
     load_plan,
     load_server_config,
 )
-from scoring_helpers import cpu_config, torch_teacher, write_config
-from typer.testing import CliRunner
 
 # verl's multi-teacher example (examples/on_policy_distillation_trainer/run_qwen3_8b_mopd_fsdp.sh),
 # written as YAML with its Hydra `+` overrides, next to the trainer sections verl reads.
@@ -259,3 +262,15 @@ def test_type_errors_name_the_field(tmp_path):
         load_config(write_config(tmp_path, doc))
     fields = [p.split(":")[0] for p in err.value.problems]
     assert fields == ["distillation.teacher_models.t.num_replicas", "server.grpc_port"]
+
+
+EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_shipped_examples_pass_check_config(path, tmp_path, tiny_model_dir):
+    document = yaml.safe_load(path.read_text())
+    for teacher in document["distillation"].get("teacher_models", {}).values():
+        if str(teacher.get("model_path", "")).startswith("/tmp/"):  # placeholders for local checkpoints
+            teacher["model_path"] = str(tiny_model_dir)
+    assert check_config_command(write_config(tmp_path, document), out=io.StringIO()) == 0
