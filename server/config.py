@@ -29,9 +29,10 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
 from proctor.server.engines import ENGINE_NAMES, EngineSpec
 from proctor.server.pool import PlacementError, PlacementPlan, ReplicaGroupPlan, TeacherDemand, plan_placement
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 if typing.TYPE_CHECKING:
     from proctor.server.routing import Router

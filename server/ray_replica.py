@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+
 from proctor.server.engines.base import (
     EngineError,
     EngineInfo,

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
+
 from proctor.server.engines.base import (
     EngineError,
     EngineInfo,

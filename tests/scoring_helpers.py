@@ -12,6 +12,7 @@ from pathlib import Path
 import grpc
 import torch
 import yaml
+
 from proctor.proto import scoring_pb2, scoring_pb2_grpc
 from proctor.proto.codec import decode_tensor
 from proctor.server.engines import EngineSpec

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from proctor.server.pool import PlacementError, TeacherDemand, plan_placement
 
 
