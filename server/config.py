@@ -31,7 +31,8 @@ from typing import Any, ClassVar, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from proctor.server.engines import ENGINE_NAMES, EngineSpec
+from proctor.server.engines import EngineConfigError, EngineSpec
+from proctor.server.engines.checks import check_model_path
 from proctor.server.pool import PlacementError, PlacementPlan, ReplicaGroupPlan, TeacherDemand, plan_placement
 
 if typing.TYPE_CHECKING:
@@ -428,40 +429,32 @@ def model_architecture(model_path: str) -> str | None:
 
 
 def _engine_problems(
-    name: str, engine: str, teacher: TeacherModelConfig, loss: DistillationLossConfig
+    name: str, engine: str, teacher: TeacherModelConfig, loss: DistillationLossConfig, max_topk: int
 ) -> list[str]:
-    """Startup checks that need only the config (the engines re-check what they load)."""
+    """The engine startup checks (`proctor.server.engines.checks`) that need only the config.
+
+    Each check raises on its own, so they are called one by one to collect every problem; their
+    messages name the `inference.*` setting, prefixed here with the teacher's path.
+    """
+    from proctor.server.engines import EngineConfigError, checks
+
     inf = teacher.inference
-    where = f"distillation.teacher_models.{name}.inference"
-    problems = []
-    needed = inf.prompt_length + inf.response_length + 1
-    if inf.max_model_len is not None and inf.max_model_len < needed:
-        problems.append(
-            f"{where}.max_model_len is {inf.max_model_len}, but the teacher replays prompt_length "
-            f"({inf.prompt_length}) + response_length ({inf.response_length}) + 1 = {needed} tokens: "
-            f"raise max_model_len to at least {needed} or shorten the student's sequences"
-        )
+    lengths = (inf.prompt_length, inf.response_length)
+    calls: list[Callable[[], object]] = [lambda: checks.check_engine_name(engine)]
+    if inf.max_model_len is not None:
+        calls.append(lambda: checks.check_max_model_len(inf.max_model_len, *lengths))
     if engine in ("vllm", "vllm_omni"):
-        kwargs = inf.engine_kwargs.get(engine) or {}
-        max_logprobs = kwargs.get("max_logprobs")
-        if loss.needs_topk and max_logprobs is not None and loss.topk and max_logprobs < loss.topk:
-            problems.append(
-                f"{where}.engine_kwargs.{engine}.max_logprobs is {max_logprobs}, below "
-                f"distillation.distillation_loss.topk ({loss.topk}): raise it to at least {loss.topk}"
-            )
+        topk = loss.topk if loss.needs_topk and loss.topk else 0
+        calls.append(lambda: checks.check_max_logprobs(max_topk, topk, engine=engine))
         if loss.needs_hidden_states:
-            if inf.enable_chunked_prefill:
-                problems.append(
-                    f"{where}.enable_chunked_prefill must be false: loss_mode {loss.loss_mode!r} needs hidden "
-                    "states, which vLLM returns only for whole (unchunked) prefills"
-                )
-            longest = inf.prompt_length + inf.response_length
-            if inf.max_num_batched_tokens < longest:
-                problems.append(
-                    f"{where}.max_num_batched_tokens is {inf.max_num_batched_tokens}, below the longest sequence "
-                    f"(prompt_length + response_length = {longest}): hidden states need a whole sequence in one "
-                    f"step; raise it to at least {longest}"
-                )
+            calls.append(lambda: checks.check_hidden_states_prefill(inf.enable_chunked_prefill))
+            calls.append(lambda: checks.check_batched_tokens(inf.max_num_batched_tokens, *lengths))
+    problems = []
+    for call in calls:
+        try:
+            call()
+        except EngineConfigError as exc:
+            problems.append(f"distillation.teacher_models.{name}.{exc}")
     return problems
 
 
@@ -510,10 +503,8 @@ def _teachers(config: ProctorConfig, device_kind: str, problems: list[str], note
             problems.append(f"{where}.key: {key!r} is also the key of teacher {keys[key]!r}; keys must differ")
         keys[key] = name
         engine = _engine_name(teacher.inference, device_kind)
-        if engine not in ENGINE_NAMES:
-            hint = " (proctor serves with vLLM instead of SGLang: set vllm)" if engine == "sglang" else ""
-            problems.append(f"{where}.inference.name: {engine!r} is not one of {', '.join(ENGINE_NAMES)}{hint}")
-        problems.extend(_engine_problems(name, engine, teacher, d.distillation_loss))
+        max_topk = _max_topk(engine, teacher.inference, d.distillation_loss)
+        problems.extend(_engine_problems(name, engine, teacher, d.distillation_loss, max_topk))
         inference = teacher.inference.model_dump(exclude={"name", "dtype"})
         inference.update(teacher.inference.model_extra or {})
         inference.pop("_target_", None)
@@ -525,7 +516,7 @@ def _teachers(config: ProctorConfig, device_kind: str, problems: list[str], note
                 model_path=str(teacher.model_path or ""),
                 device=device_kind,
                 dtype=teacher.inference.dtype or "auto",
-                max_topk=_max_topk(engine, teacher.inference, d.distillation_loss),
+                max_topk=max_topk,
                 inference=inference,
             ),
             per_replica=teacher.inference.per_replica,
@@ -552,6 +543,12 @@ def resolve_plan(config: ProctorConfig, *, files_must_exist: bool = True) -> Ser
         problems.append("server.tls: cert_file and key_file go together: set both or neither")
     if server.tls.client_ca_file and not server.tls.cert_file:
         problems.append("server.tls.client_ca_file needs server.tls.cert_file and key_file (mutual TLS is TLS)")
+    for t in teachers.values():
+        if t.spec.model_path:
+            try:
+                check_model_path(t.spec.model_path)
+            except EngineConfigError as exc:
+                (problems if files_must_exist else notes).append(f"distillation.teacher_models.{t.name}.{exc}")
     for label, path in (
         ("server.auth_token_file", server.auth_token_file),
         ("server.tls.cert_file", server.tls.cert_file),
