@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
 from proctor.client.retry import Deadline, RetryPolicy, call_with_retries
 from proctor.client.transports import (
     MediaLike,

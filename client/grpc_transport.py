@@ -12,6 +12,7 @@ import asyncio
 from collections.abc import AsyncIterator, Sequence
 
 import grpc
+
 from proctor.client.transports import TeacherError, Transport, make_error
 from proctor.proto import scoring_pb2, scoring_pb2_grpc
 
@@ -35,6 +36,11 @@ def error_from_rpc(exc: grpc.aio.AioRpcError) -> TeacherError:
     code = exc.code()
     trailing = exc.trailing_metadata()
     hint = _retry_hint(list(trailing) if trailing else None)
+    if code is grpc.StatusCode.CANCELLED:
+        # Our own cancellations surface as asyncio.CancelledError, never as a status: a
+        # CANCELLED status means the server dropped the call (it is stopping), so the
+        # request is as retryable as any other UNAVAILABLE one.
+        return make_error("UNAVAILABLE", f"the server cancelled the call ({exc.details()})", retry_after=hint)
     return make_error(code.name, exc.details() or code.name, retry_after=hint)
 
 

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 import httpx
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError
+
 from proctor.client.transports import TeacherError, Transport, make_error
 from proctor.proto import scoring_pb2
 

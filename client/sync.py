@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
+
 from proctor.client.client import ScoreInput, TeacherClient, TeacherInfo, TeacherScores
 
 
