@@ -29,6 +29,10 @@ from proctor.server.engines.vllm_common import (
     topk_by_rank,
 )
 
+# One event loop for the whole module: vLLM's output handler lives on the loop that first used
+# the engine, so tests must share the session fixture's loop.
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
 TOL = 1e-4
 VLLM_INFERENCE = {"gpu_memory_utilization": 0.2, "max_model_len": 2048}
 
