@@ -105,7 +105,7 @@ async def test_logprobs_and_topk_match_torch_engine(vllm_engine, torch_engine):
         batch = [_request(i, s, first_row=1 + 3 * i, topk=k) for i, s in enumerate(seqs)]
         got = await vllm_engine.score(batch)
         ref = await torch_engine.score(batch)
-        for g, r, req in zip(got, ref, batch):
+        for g, r, req in zip(got, ref, batch, strict=True):
             assert g.first_row == req.first_row
             assert g.logprobs.dtype == torch.float32 and g.logprobs.shape == (req.num_rows,)
             torch.testing.assert_close(g.logprobs, r.logprobs, atol=TOL, rtol=0)
@@ -137,7 +137,7 @@ async def test_hidden_states_match_torch_engine(vllm_engine, torch_engine):
     batch = [_request(i, s, first_row=5 + i, topk=8, hidden=True) for i, s in enumerate(seqs)]
     got = await vllm_engine.score(batch)
     ref = await torch_engine.score(batch)
-    for g, r, req in zip(got, ref, batch):
+    for g, r, req in zip(got, ref, batch, strict=True):
         assert g.hidden_states.shape == (req.num_rows, 64)
         assert g.hidden_states.dtype == torch.float32
         torch.testing.assert_close(g.hidden_states, r.hidden_states, atol=TOL, rtol=0)
@@ -159,7 +159,7 @@ async def test_batch_results_keep_request_order_under_concurrency(vllm_engine):
     batch = [_request(i, s, topk=(i % 3) * 4) for i, s in enumerate(seqs)]
     together = await vllm_engine.score(batch)
     alone = [(await vllm_engine.score([r]))[0] for r in batch[:3]]
-    for a, b, req in zip(together[:3], alone, batch):
+    for a, b, req in zip(together[:3], alone, batch[:3], strict=True):
         assert a.logprobs.shape == (req.num_rows,)
         torch.testing.assert_close(a.logprobs, b.logprobs, atol=TOL, rtol=0)
     assert [r.logprobs.shape[0] for r in together] == [r.num_rows for r in batch]
