@@ -1,0 +1,197 @@
+"""The verl adapter, driven by verl's own teacher code (verl 0.9.1 where it imports).
+
+verl's `AsyncTeacherLLMServerManager` is built without its config parsing (verl's
+`DistillationLossConfig` pulls in `datasets`, absent here) but every method called is verl's:
+`compute_teacher_logprobs_single`, `_resolve_teacher_key`, `_get_teacher_sampling_params`,
+`_pad_teacher_outputs`. verl's vLLM row extraction (`extract_prompt_logprobs`) is read
+from verl's source and run on vLLM-shaped log-probs of the float64 reference teacher.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import pickle
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Optional
+
+import numpy as np
+import pytest
+import torch
+from test_client_support import Reference, start_server
+
+from proctor.client import TeacherClient
+from proctor.client.batch import verl_teacher_batch
+from proctor.server.engines import EngineSpec, create_engine
+from proctor.server.routing import Replica, Router, Teacher
+from proctor.trainer_adapter.verl import (
+    ProctorTeacherClient,
+    ProctorTeacherModelManager,
+    make_teacher_clients,
+    media_item,
+    teacher_unembeddings,
+    verl_teacher_keys,
+)
+
+teacher_manager = pytest.importorskip("verl.experimental.teacher_loop.teacher_manager")
+PAD = 0
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir) -> Reference:
+    return Reference(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def two_teachers(tiny_model_dir, other_model_dir):
+    def teacher(name, path, key):
+        spec = EngineSpec(name="torch", model_path=str(path))
+
+        async def build():
+            return create_engine(spec)
+
+        return Teacher(name, [Replica(f"{name}-0", build)], keys=(key,))
+
+    server = start_server(Router([teacher("math", tiny_model_dir, "openai/gsm8k"),
+                                  teacher("geo", other_model_dir, "hiyouga/geometry3k")]))
+    yield server
+    server.stop()
+
+
+def verl_config(target: str, teacher_models: dict, **proctor: Any) -> dict:
+    return {"distillation": {"enabled": True, "teacher_key": "data_source", "teacher_models": teacher_models},
+            "proctor": {"target": target, **proctor}}
+
+
+def verl_manager(clients: dict, *, topk: int):
+    """verl's AsyncTeacherLLMServerManager over our clients (its own methods, our transport)."""
+    manager = object.__new__(teacher_manager.AsyncTeacherLLMServerManager)
+    manager.teacher_key = "data_source"
+    manager.teacher_model_configs = {k: SimpleNamespace(inference=SimpleNamespace(temperature=1.0)) for k in clients}
+    manager.distillation_loss_config = SimpleNamespace(topk=topk, loss_settings=SimpleNamespace(use_topk=topk > 0))
+    manager.teacher_client = clients
+    return manager
+
+
+def verl_extract_prompt_logprobs():
+    """verl's `extract_prompt_logprobs`, compiled from verl's source (its module imports vLLM)."""
+    import verl
+
+    path = Path(verl.__file__).parent / "workers/rollout/vllm_rollout/utils.py"
+    tree = ast.parse(path.read_text())
+    node = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "extract_prompt_logprobs")
+    namespace = {"Optional": Optional, "RequestOutput": Any}
+    exec(compile(ast.Module([node], type_ignores=[]), str(path), "exec"), namespace)
+    return namespace["extract_prompt_logprobs"]
+
+
+def vllm_prompt_logprobs(reference: Reference, ids: list[int], k: int):
+    """What vLLM returns as `prompt_logprobs`: None, then per token {id: Logprob(logprob, rank)}
+    with the top-k plus the actual token (rank 1-based)."""
+    logp = reference.rows(ids)["logp"]  # row j predicts token j
+    out = [None]
+    for j, row in enumerate(logp, start=1):
+        order = torch.argsort(row, descending=True)
+        ranks = {int(t): r + 1 for r, t in enumerate(order.tolist())}
+        actual = ids[j]
+        chosen = [actual] + [int(t) for t in order[:k] if int(t) != actual]
+        out.append({t: SimpleNamespace(logprob=float(row[t]), rank=ranks[t]) for t in chosen})
+    return out
+
+
+@pytest.mark.parametrize("topk", [0, 5])
+async def test_verls_teacher_manager_gets_what_vllm_would_give_it(torch_server, reference, topk):
+    ids = [(11 * j + 3) % 512 for j in range(14)]
+    clients = make_teacher_clients(verl_config(f"grpc://{torch_server.grpc_target}", {"teacher_model": {}}))
+    manager = verl_manager(clients, topk=topk)
+    teacher_ids, teacher_logprobs = await manager.compute_teacher_logprobs_single(sequence_ids=ids)
+    expected: dict = {}
+    verl_extract_prompt_logprobs()(SimpleNamespace(prompt_logprobs=vllm_prompt_logprobs(reference, ids, topk)),
+                                   topk, expected)
+    want_ids = torch.tensor(expected["prompt_ids"], dtype=torch.int32)
+    want_lps = torch.tensor(expected["prompt_logprobs"])
+    assert teacher_ids.shape == want_ids.shape == (14, max(topk, 1))
+    assert torch.equal(teacher_ids, want_ids)
+    torch.testing.assert_close(teacher_logprobs, want_lps, atol=1e-4, rtol=0)
+
+
+async def test_verls_padding_and_concatenation_equal_verl_teacher_batch(torch_server):
+    sequences = [([5, 6, 7], [8, 9, 10, 11]), ([1, 2, 3, 4, 5], [6])]
+    prompt_width, response_width, topk = 6, 5, 3
+    clients = make_teacher_clients(verl_config(f"grpc://{torch_server.grpc_target}", {"teacher_model": {}}))
+    manager = verl_manager(clients, topk=topk)
+    rows = []
+    for prompt, response in sequences:  # what verl's agent loop does per sequence, then cat
+        ids, lps = await manager.compute_teacher_logprobs_single(sequence_ids=prompt + response)
+        rows.append(teacher_manager._pad_teacher_outputs(
+            ids, lps, prompt_width=prompt_width, response_width=response_width, prompt_length=len(prompt),
+            response_length=len(response), pad_token_id=PAD))
+    want_ids = torch.cat([r[0] for r in rows])
+    want_lps = torch.cat([r[1] for r in rows])
+    async with TeacherClient(f"grpc://{torch_server.grpc_target}") as client:
+        scores = await client.score_many([p + r for p, r in sequences], topk=topk)
+    got = verl_teacher_batch(scores, [p + r for p, r in sequences], [len(p) for p, _ in sequences],
+                             prompt_width=prompt_width, response_width=response_width, topk=topk, pad_token_id=PAD)
+    assert torch.equal(got["teacher_ids"], want_ids)
+    assert torch.equal(got["teacher_logprobs"], want_lps)
+
+
+async def test_multi_teacher_routing_goes_through_verls_resolver(two_teachers, tiny_model_dir, other_model_dir):
+    config = verl_config(f"grpc://{two_teachers.grpc_target}", {
+        "teacher_model": {},
+        "gsm": {"key": "openai/gsm8k", "model_path": "unused"},
+        "geometry": {"key": "hiyouga/geometry3k", "model_path": "unused"},
+    })
+    clients = ProctorTeacherModelManager(config).get_client()
+    assert sorted(clients) == ["hiyouga/geometry3k", "openai/gsm8k"]
+    manager = verl_manager(clients, topk=0)
+    ids = [4, 8, 15, 16, 23, 42]
+    _, geo = await manager.compute_teacher_logprobs_single(sequence_ids=ids, routing_key="hiyouga/geometry3k")
+    _, math = await manager.compute_teacher_logprobs_single(sequence_ids=ids, routing_key="openai/gsm8k")
+    torch.testing.assert_close(geo[:-1, 0].double(), Reference(other_model_dir).rows(ids)["logprobs"], atol=1e-4, rtol=0)
+    torch.testing.assert_close(math[:-1, 0].double(), Reference(tiny_model_dir).rows(ids)["logprobs"], atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match="No teacher configured for routing key"):
+        await manager.compute_teacher_logprobs_single(sequence_ids=ids, routing_key="lmsys/chat")
+
+
+async def test_hidden_states_variant_carries_verl_rows_and_the_unembedding(torch_server, reference):
+    config = verl_config(f"grpc://{torch_server.grpc_target}", {"teacher_model": {}}, hidden_states=True)
+    clients = make_teacher_clients(config)
+    ids = [9, 8, 7, 6, 5, 4, 3]
+    out = await clients["default"].generate("r1", prompt_ids=ids, sampling_params={"prompt_logprobs": 0})
+    hidden = out.extra_fields["teacher_hidden_states"]
+    assert hidden.shape == (7, 64) and out.extra_fields["teacher_key"] == "tiny"
+    torch.testing.assert_close(hidden[:-1].double(), reference.rows(ids)["hidden"], atol=1e-4, rtol=1e-4)
+    weights = await teacher_unembeddings(clients)
+    torch.testing.assert_close(weights["default"].double(), reference.model.get_output_embeddings().weight,
+                               atol=0, rtol=0)
+
+
+async def test_client_survives_pickling_for_ray_workers(torch_server):
+    client = ProctorTeacherClient(f"grpc://{torch_server.grpc_target}")
+    await client.generate("a", prompt_ids=[1, 2, 3], sampling_params={"prompt_logprobs": 2})
+    copy = pickle.loads(pickle.dumps(client))
+    out = await copy.generate("b", prompt_ids=[1, 2, 3], sampling_params={"prompt_logprobs": 2})
+    assert np.array(out.extra_fields["prompt_ids"]).shape == (3, 2)
+    await asyncio.gather(client.close(), copy.close())
+
+
+def test_teacher_keys_resolve_as_verl_resolves_them():
+    assert verl_teacher_keys({"distillation": {"teacher_models": {"teacher_model": {}}}}) == ["default"]
+    models = {"teacher_model": {}, "a": {"key": "x/y"}, "b": {"key": "z"}}
+    assert verl_teacher_keys({"distillation": {"teacher_models": models}}) == ["x/y", "z"]
+    with pytest.raises(ValueError, match=r"proctor\.target"):
+        make_teacher_clients({"distillation": {"teacher_models": {"teacher_model": {}}}})
+
+
+def test_media_items_become_bytes_with_a_type():
+    from PIL import Image
+
+    png = media_item(Image.new("RGB", (2, 2)), "images")
+    assert png.media_type == "image/png" and png.data.startswith(b"\x89PNG")
+    audio = media_item((np.zeros(16, dtype=np.float32), 16000), "audios")
+    assert audio.media_type == "application/x-npy" and np.load(__import__("io").BytesIO(audio.data)).shape == (16,)
+    assert media_item(b"RIFF....WAVE", "audios").media_type == "audio/wav"
+    with pytest.raises(ValueError, match="media type"):
+        media_item(b"????", "videos")
