@@ -29,9 +29,9 @@ from proctor.server.engines.vllm_common import (
     topk_by_rank,
 )
 
-# One event loop for the whole module: vLLM's output handler lives on the loop that first used
-# the engine, so tests must share the session fixture's loop.
-pytestmark = pytest.mark.asyncio(loop_scope="session")
+# One event loop for every async test: vLLM's output handler lives on the loop that first used
+# the engine, so tests must run on the session fixtures' loop.
+session_loop = pytest.mark.asyncio(loop_scope="session")
 
 TOL = 1e-4
 VLLM_INFERENCE = {"gpu_memory_utilization": 0.2, "max_model_len": 2048}
@@ -99,6 +99,7 @@ def _assert_topk_match(ids_a, vals_a, ids_b, vals_b):
 
 
 @pytest.mark.vllm
+@session_loop
 async def test_logprobs_and_topk_match_torch_engine(vllm_engine, torch_engine):
     seqs = _sequences(4, 40)
     for k in (0, 8, 64):
@@ -117,6 +118,7 @@ async def test_logprobs_and_topk_match_torch_engine(vllm_engine, torch_engine):
 
 
 @pytest.mark.vllm
+@session_loop
 async def test_logprobs_match_a_plain_transformers_forward(vllm_engine, vllm_model_dir):
     from transformers import AutoModelForCausalLM
 
@@ -132,6 +134,7 @@ async def test_logprobs_match_a_plain_transformers_forward(vllm_engine, vllm_mod
 
 
 @pytest.mark.vllm
+@session_loop
 async def test_hidden_states_match_torch_engine(vllm_engine, torch_engine):
     seqs = _sequences(3, 50, seed=1)
     batch = [_request(i, s, first_row=5 + i, topk=8, hidden=True) for i, s in enumerate(seqs)]
@@ -145,6 +148,7 @@ async def test_hidden_states_match_torch_engine(vllm_engine, torch_engine):
 
 
 @pytest.mark.vllm
+@session_loop
 async def test_hidden_states_only_request_skips_logprobs(vllm_engine):
     ids = _sequences(1, 20, seed=4)[0]
     req = EngineRequest(request_id="h", token_ids=ids, first_row=6, logprobs=False, topk=0, hidden_states=True)
@@ -154,6 +158,7 @@ async def test_hidden_states_only_request_skips_logprobs(vllm_engine):
 
 
 @pytest.mark.vllm
+@session_loop
 async def test_batch_results_keep_request_order_under_concurrency(vllm_engine):
     seqs = _sequences(12, 16, seed=2)
     batch = [_request(i, s, topk=(i % 3) * 4) for i, s in enumerate(seqs)]
@@ -166,6 +171,7 @@ async def test_batch_results_keep_request_order_under_concurrency(vllm_engine):
 
 
 @pytest.mark.vllm
+@session_loop
 async def test_describe_reports_the_teacher(vllm_engine, torch_engine):
     info = vllm_engine.describe()
     assert (info.engine, info.vocab_size, info.hidden_size) == ("vllm", 512, 64)
@@ -175,6 +181,7 @@ async def test_describe_reports_the_teacher(vllm_engine, torch_engine):
 
 
 @pytest.mark.vllm
+@session_loop
 async def test_unembedding_is_the_lm_head(vllm_engine, torch_engine):
     got = vllm_engine.unembedding()
     assert got.shape == (512, 64)
@@ -182,6 +189,7 @@ async def test_unembedding_is_the_lm_head(vllm_engine, torch_engine):
 
 
 @pytest.mark.vllm
+@session_loop
 async def test_requests_beyond_the_engine_are_refused(vllm_engine):
     ids = _sequences(1, 10)[0]
     with pytest.raises(ValueError, match="topk"):
@@ -353,3 +361,138 @@ def test_cpu_head_dim_is_checked_before_starting(tmp_path):
     engine = create_engine(EngineSpec(name="vllm", model_path=str(path), device="cpu", inference=VLLM_INFERENCE))
     with pytest.raises(EngineConfigError, match="head_dim"):
         asyncio.run(engine.start())
+
+
+# --------------------------------------------------------------------------------------------
+# vLLM-Omni: settings, stage config, requests and payloads (vLLM-Omni cannot run on CPU, so its
+# outputs are faked here with objects shaped like OmniRequestOutput / RequestOutput /
+# CompletionOutput; the shared scoring logic above runs against real vLLM)
+# --------------------------------------------------------------------------------------------
+
+OMNI_KWARGS = {"output_mode": "ar", "pipeline_name": "qwen3_omni_moe"}
+
+
+def _omni_spec(path="/m", **inference):
+    inference.setdefault("engine_kwargs", {"vllm_omni": dict(OMNI_KWARGS)})
+    return EngineSpec(name="vllm_omni", model_path=str(path), device="cuda", dtype="bfloat16", max_topk=16,
+                      inference=inference, devices=("4", "5"))
+
+
+def test_omni_requires_ar_output_mode_and_a_known_pipeline():
+    from proctor.server.engines.vllm_omni_engine import omni_pipeline
+
+    assert omni_pipeline(_omni_spec()).model_arch == "Qwen3OmniMoeForConditionalGeneration"
+    with pytest.raises(EngineConfigError, match='output_mode="ar"'):
+        omni_pipeline(_omni_spec(engine_kwargs={"vllm_omni": {"pipeline_name": "qwen3_omni_moe"}}))
+    with pytest.raises(EngineConfigError, match="pipeline_name is 'nope'"):
+        omni_pipeline(_omni_spec(engine_kwargs={"vllm_omni": {"output_mode": "ar", "pipeline_name": "nope"}}))
+
+
+@session_loop
+async def test_omni_max_logprobs_is_seeded_and_validated(tmp_path):
+    from proctor.server.engines.vllm_omni_engine import VllmOmniEngine
+
+    assert VllmOmniEngine(_omni_spec()).max_logprobs == 16
+    (tmp_path / "config.json").write_text("{}")
+    spec = _omni_spec(tmp_path, engine_kwargs={"vllm_omni": {**OMNI_KWARGS, "max_logprobs": 4}})
+    with pytest.raises(EngineConfigError, match=r"engine_kwargs\.vllm_omni\.max_logprobs is 4"):
+        await create_engine(spec).start()
+
+
+def test_omni_stage_config_is_one_thinker_stage():
+    from proctor.server.engines.vllm_omni_engine import PIPELINES, stage_config
+
+    spec = _omni_spec(tensor_model_parallel_size=2, gpu_memory_utilization=0.8, max_model_len=8192,
+                      temperature=0.7,
+                      engine_kwargs={"vllm_omni": {**OMNI_KWARGS, "max_num_seqs": 256, "max_logprobs": 32}})
+    (stage,) = stage_config(spec, PIPELINES["qwen3_omni_moe"], 32)["stage_args"]
+    args = stage["engine_args"]
+    assert stage["runtime"]["devices"] == "0,1" and stage["final_output"] is True
+    assert args["model_stage"] == "thinker" and args["engine_output_type"] == "latent"
+    assert args["hf_config_name"] == "thinker_config" and args["worker_cls"].endswith("GPUARWorker")
+    assert args["tensor_parallel_size"] == 2 and args["gpu_memory_utilization"] == 0.8
+    assert args["max_num_seqs"] == 256 and args["max_logprobs"] == 32 and args["dtype"] == "bfloat16"
+    assert not {"output_mode", "pipeline_name", "temperature"} & set(args)
+
+
+def test_omni_prompt_carries_media_and_processor_kwargs_as_sent():
+    import io
+
+    from PIL import Image
+
+    from proctor.server.engines.base import MediaItem, MultiModalInputs
+    from proctor.server.engines.vllm_omni_engine import build_prompt
+
+    buf = io.BytesIO()
+    Image.new("RGB", (4, 4)).save(buf, format="PNG")
+    media = MultiModalInputs(images=(MediaItem(buf.getvalue(), "image/png"),),
+                             processor_kwargs={"use_audio_in_video": False, "fps": 2})
+    req = EngineRequest(request_id="m", token_ids=torch.tensor([1, 2, 3]), first_row=1, logprobs=True, topk=0,
+                        hidden_states=False, media=media)
+    prompt = build_prompt(req)
+    assert prompt["prompt_token_ids"] == [1, 2, 3]
+    assert [im.size for im in prompt["multi_modal_data"]["image"]] == [(4, 4)]
+    assert prompt["mm_processor_kwargs"] == {"use_audio_in_video": False, "fps": 2}
+    plain = build_prompt(EngineRequest(request_id="t", token_ids=torch.tensor([5, 6]), first_row=1, logprobs=True,
+                                       topk=0, hidden_states=False))
+    assert plain == {"prompt_token_ids": [5, 6]}
+
+
+def _fake_omni_output(ids, hidden_chunks, k=2, key="latent", on_completion=True):
+    """An OmniRequestOutput-shaped object: request_output.prompt_logprobs + multimodal_output."""
+    from vllm.logprobs import FlatLogprobs
+
+    flat = FlatLogprobs()
+    flat.append(None)
+    for i in range(1, len(ids)):
+        cands = [ids[i], 7, 8][: k + 1]
+        flat.append_fast(cands, [-float(i), -0.1, -0.2][: k + 1], iter([3, 1, 2][: k + 1]), [None] * (k + 1))
+    payload = {key: hidden_chunks if len(hidden_chunks) > 1 else hidden_chunks[0]}
+    completion = SimpleNamespace(multimodal_output=payload if on_completion else None)
+    request_output = SimpleNamespace(prompt_logprobs=flat, outputs=[completion],
+                                     multimodal_output=None if on_completion else payload)
+    return SimpleNamespace(request_id="x", stage_id=0, final_output_type="text", request_output=request_output)
+
+
+def test_omni_hidden_states_from_chunked_multimodal_output():
+    from proctor.server.engines.vllm_omni_engine import extract_hidden, stage_output
+
+    states = torch.randn(6, 4)
+    out = stage_output(_fake_omni_output(list(range(6)), [states[:4], states[4:]]))
+    torch.testing.assert_close(extract_hidden(out, 6), states)
+    out = stage_output(_fake_omni_output(list(range(6)), [states], key="hidden", on_completion=False))
+    torch.testing.assert_close(extract_hidden(out, 6), states)
+    with pytest.raises(EngineError, match="shape"):
+        extract_hidden(out, 7)
+    with pytest.raises(EngineError, match="engine_output_type"):
+        extract_hidden(SimpleNamespace(outputs=[], multimodal_output={}), 6)
+
+
+@session_loop
+async def test_omni_engine_scores_through_a_fake_async_omni():
+    from proctor.server.engines.vllm_omni_engine import VllmOmniEngine
+
+    ids = [3, 9, 4, 5, 6]
+    states = torch.randn(5, 4)
+
+    class FakeAsyncOmni:  # AsyncOmni.generate(prompt, request_id, sampling_params_list=[...])
+        def __init__(self):
+            self.calls = []
+
+        async def generate(self, prompt, request_id, sampling_params_list=None):
+            self.calls.append((prompt, request_id, sampling_params_list))
+            yield _fake_omni_output(prompt["prompt_token_ids"], [states[:2], states[2:]])
+
+    engine = VllmOmniEngine(_omni_spec())
+    engine._omni, engine._started, engine._dtype = FakeAsyncOmni(), True, torch.bfloat16
+    req = EngineRequest(request_id="o", token_ids=torch.tensor(ids), first_row=2, logprobs=True, topk=2,
+                        hidden_states=True)
+    (res,) = await engine.score([req])
+    assert res.logprobs.tolist() == [-2.0, -3.0, -4.0]
+    assert res.topk_ids.tolist() == [[7, 8]] * 3
+    assert res.hidden_states.dtype == torch.bfloat16
+    torch.testing.assert_close(res.hidden_states, states[1:4].to(torch.bfloat16))
+    prompt, rid, (params,) = engine._omni.calls[0]
+    assert prompt == {"prompt_token_ids": ids}
+    assert rid.startswith("o-") and params.prompt_logprobs == 2 and params.max_tokens == 1
+    assert params.detokenize is False
