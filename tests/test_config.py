@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -278,3 +280,20 @@ def test_shipped_examples_pass_check_config(path, tmp_path, tiny_model_dir):
         if str(teacher.get("model_path", "")).startswith("/tmp/"):  # placeholders for local checkpoints
             teacher["model_path"] = str(tiny_model_dir)
     assert check_config_command(write_config(tmp_path, document), out=io.StringIO()) == 0
+
+
+def test_config_replicas_start_together_in_a_fresh_process(tmp_path, tiny_model_dir):
+    """Several torch replicas load concurrently on worker threads in a process that has not yet
+    imported transformers (as `proctor serve --config` does): none may fail on a lazy import."""
+    path = write_config(tmp_path, cpu_config({"t": torch_teacher(tiny_model_dir, num_replicas=None)}, devices=3))
+    script = (
+        "import asyncio, sys\n"
+        "from proctor.server.config import load_server_config\n"
+        "router, _ = load_server_config(sys.argv[1])\n"
+        "teacher = router.route('')\n"
+        "asyncio.run(teacher.start())\n"
+        "print('healthy', len(teacher.healthy()))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().endswith("healthy 3")
