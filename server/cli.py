@@ -44,9 +44,9 @@ def serve(
     model: Path | None = typer.Option(None, help="Local Hugging Face model directory (default: the built-in tiny teacher)."),
     engine: str = typer.Option("torch", help="torch | vllm | vllm_omni"),
     config: Path | None = typer.Option(None, help="YAML with verl's `distillation:` block and a `server:` block."),
-    host: str = typer.Option("127.0.0.1", help="Address to bind (0.0.0.0 to accept other machines)."),
-    grpc_port: int = typer.Option(50051, help="gRPC port (0: any free port)."),
-    http_port: int = typer.Option(8000, help="HTTP port (0: any free port)."),
+    host: str | None = typer.Option(None, help="Address to bind [default: 127.0.0.1; 0.0.0.0 accepts other machines]."),
+    grpc_port: int | None = typer.Option(None, help="gRPC port [default: 50051; 0: any free port]."),
+    http_port: int | None = typer.Option(None, help="HTTP port [default: 8000; 0: any free port]."),
     device: str = typer.Option("cpu", help="cpu | cuda[:N] | npu[:N]"),
     dtype: str = typer.Option("auto", help="auto | float32 | bfloat16 | float16"),
     max_topk: int = typer.Option(64, help="Largest top-k a request may ask for."),
@@ -70,7 +70,12 @@ def serve(
     if config is not None:
         from proctor.server.config import load_server_config
 
-        router, options = load_server_config(config, host=host if host != "127.0.0.1" else None)
+        router, options = load_server_config(config, host=host)
+        # Flags given on the command line win over the config file's server block.
+        if grpc_port is not None:
+            options.grpc_port = grpc_port
+        if http_port is not None:
+            options.http_port = http_port
     else:
         path = model or ensure_default_model()
         settings = _parse_settings(inference)
@@ -78,7 +83,8 @@ def serve(
             settings["max_model_len"] = max_model_len
         spec = EngineSpec(name=engine, model_path=str(path), device=device, dtype=dtype, max_topk=max_topk, inference=settings)
         router = single_teacher_router(spec, name=teacher_name, replicas=replicas)
-        options = ServerOptions(host=host, grpc_port=grpc_port, http_port=http_port,
+        options = ServerOptions(host=host or "127.0.0.1", grpc_port=50051 if grpc_port is None else grpc_port,
+                                http_port=8000 if http_port is None else http_port,
                                 auth_token=load_token(token_file=str(auth_token_file) if auth_token_file else None),
                                 limits=Limits(max_queue_requests=max_queue_requests, max_queue_tokens=max_queue_tokens))
 

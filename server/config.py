@@ -675,19 +675,6 @@ def _replica_spec(spec: EngineSpec, group: ReplicaGroupPlan, kind: str, *, in_pr
     return replace(spec, device=device, devices=tuple(str(d) for d in group.local_devices))
 
 
-def _resolve_lazy_imports(engine: str) -> None:
-    """Resolve transformers' lazy attributes on the event-loop thread before replicas load.
-
-    Replicas start concurrently and the torch engine loads on worker threads; transformers'
-    lazy module is not safe to resolve from two threads at once (one of them gets an
-    ImportError for `AutoConfig`), so the first touch happens here, on one thread.
-    """
-    if engine == "torch":
-        import transformers
-
-        _ = transformers.AutoConfig, transformers.AutoModelForCausalLM
-
-
 def build_router(plan: ServingPlan) -> Router:
     """Teachers with their replicas (in-process engines, swap groups or Ray actors) behind a Router."""
     from proctor.server.engines import create_engine
@@ -713,14 +700,12 @@ def build_router(plan: ServingPlan) -> Router:
 
     def in_process(spec: EngineSpec) -> Callable:
         async def build():
-            _resolve_lazy_imports(spec.name)
             return create_engine(spec)
 
         return build
 
     def swapped(group: SwapGroup, teacher: str) -> Callable:
         async def build():
-            _resolve_lazy_imports("torch")
             return SwappedTeacherEngine(group, teacher)
 
         return build

@@ -162,24 +162,10 @@ class Teacher:
         self.policy = policy
         self.health_check_interval_s = health_check_interval_s
         self.swap_groups = swap_groups
-        self._state_listener = on_replica_state
+        self._on_replica_state = on_replica_state
         self._info: EngineInfo | None = None
         self._rr = 0
         self._sweeper: asyncio.Task | None = None
-
-    # The scoring service installs its replica-state callback here. It also owns the metrics
-    # registry, and swap groups count their swaps in it: until the service binds metrics itself
-    # (`Router.attach_metrics`), take them from the object the callback is bound to.
-    @property
-    def _on_replica_state(self) -> Callable[[Teacher, Replica], None] | None:
-        return self._state_listener
-
-    @_on_replica_state.setter
-    def _on_replica_state(self, callback: Callable[[Teacher, Replica], None] | None) -> None:
-        self._state_listener = callback
-        metrics = getattr(getattr(callback, "__self__", None), "metrics", None)
-        if metrics is not None:
-            self.attach_metrics(metrics)
 
     def attach_metrics(self, metrics: Any) -> None:
         """Count this teacher's swap groups' weight swaps in `metrics.teacher_swaps`."""
@@ -215,8 +201,8 @@ class Teacher:
         return [r for r in self.replicas if r.state is ReplicaState.HEALTHY]
 
     def _notify(self, replica: Replica) -> None:
-        if self._state_listener is not None:
-            self._state_listener(self, replica)
+        if self._on_replica_state is not None:
+            self._on_replica_state(self, replica)
 
     # -- routing and failover --------------------------------------------------------------
     def pick(self, exclude: set[str]) -> Replica | None:

@@ -91,6 +91,7 @@ class ScoringService:
         self._idle = asyncio.Event()
         self._idle.set()
         self._in_flight = 0
+        router.attach_metrics(self.metrics)
         for teacher in router.teachers.values():
             teacher._on_replica_state = self._replica_changed
             self._watch_queue(teacher)

@@ -43,16 +43,6 @@ log = logging.getLogger(__name__)
 SWAP_COST_TOKENS = 4096
 
 
-class _ModuleTorchEngine(TorchEngine):
-    """A TorchEngine that lets the swap group reach its module (to copy weights in and out)."""
-
-    @property
-    def module(self) -> torch.nn.Module:
-        if self._model is None:
-            raise EngineError("engine not started")
-        return self._model
-
-
 @dataclass
 class _StoredTeacher:
     """One teacher's weights in CPU memory and the facts its engine reported."""
@@ -99,7 +89,7 @@ class SwapGroup:
         self.swaps: dict[str, int] = {name: 0 for name in specs}
         self.batches_run: list[str] = []  # teacher of every batch, in order (observable scheduling)
         self._stored: dict[str, _StoredTeacher] = {}
-        self._engine: _ModuleTorchEngine | None = None
+        self._engine: TorchEngine | None = None
         self._queues: dict[str, deque[_Job]] = {name: deque() for name in specs}
         self._outstanding: dict[str, int] = {name: 0 for name in specs}
         self._wakeup = asyncio.Event()
@@ -126,7 +116,7 @@ class SwapGroup:
         first = next(iter(self.specs))
         for name, spec in self.specs.items():
             # Load on the CPU: the weights stay there; only the resident teacher's go to the device.
-            loader = _ModuleTorchEngine(replace(spec, device="cpu"))
+            loader = TorchEngine(replace(spec, device="cpu"))
             await loader.start()
             module = loader.module
             head = module.get_output_embeddings().weight
@@ -137,7 +127,7 @@ class SwapGroup:
             self._stored[name] = _StoredTeacher(loader.describe(), state, key)
             await loader.close()
         self._check_compatible()
-        engine = _ModuleTorchEngine(self.specs[first])
+        engine = TorchEngine(self.specs[first])
         await engine.start()
         self._engine = engine
         self.resident = first

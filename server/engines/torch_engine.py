@@ -28,6 +28,9 @@ from proctor.server.fingerprint import model_fingerprint
 
 log = logging.getLogger(__name__)
 
+# transformers resolves its lazy attributes on first touch, which is not thread-safe: two
+# replicas loading at once on worker threads can see ImportError for AutoConfig. One lock.
+_IMPORT_LOCK = threading.Lock()
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Rows of logits materialised at once in the lm_head step (bounds memory for large vocabularies).
 _LOGIT_ROWS = 2048
@@ -63,7 +66,8 @@ class TorchEngine(TeacherEngine):
         await asyncio.to_thread(self._load)
 
     def _load(self) -> None:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        with _IMPORT_LOCK:
+            from transformers import AutoConfig, AutoModelForCausalLM
 
         path = Path(self.spec.model_path)
         if not (path / "config.json").exists():
@@ -91,6 +95,13 @@ class TorchEngine(TeacherEngine):
 
     async def close(self) -> None:
         self._model = None
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The loaded model (weight swapping copies state dicts in and out of it)."""
+        if self._model is None:
+            raise EngineError("engine not started")
+        return self._model
 
     # -- protocol --------------------------------------------------------------------------
     def describe(self) -> EngineInfo:
