@@ -1,0 +1,266 @@
+"""`proctor demo`: on-policy distillation end to end on the CPU, in about a minute.
+
+A proctor server serves the built-in tiny teacher; the student is that teacher with noise
+on its weights. Each step the student samples responses for a few prompts in small batches;
+every finished batch goes to the teacher through the rollout hook while the next batch is
+being sampled (scoring overlaps generation); then the chosen distillation loss trains the
+student. For the full-vocabulary losses the teacher sends hidden states and, once, its
+unembedding, and the loss runs chunked on student hidden states + lm_head against them.
+Because the target is reachable exactly, the loss must fall clearly: a flat curve means the
+scores, the row alignment or the loss is wrong.
+
+This is the one trainer-side module that starts a server (imported inside `run_demo`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from proctor.client import TeacherClient
+from proctor.client.batch import hidden_states_batch
+from proctor.client.loss import distillation_loss
+from proctor.trainer_adapter.plot import plot_losses
+from proctor.trainer_adapter.rollout import RolloutSample, RolloutScorer, ScoredSample
+from proctor.trainer_adapter.student import noisy_student, response_hidden, sample_responses
+
+# demo option -> the loss library's loss_mode
+LOSSES = {
+    "k1": "k1",
+    "k3": "k3",
+    "forward_kl_topk": "forward_kl_topk",
+    "full_forward_kl": "nitrobrew",
+    "full_reverse_kl": "nitrobrew_reverse_kl",
+    "full_jsd": "full_jsd",
+}
+TRANSPORTS = ("grpc", "http")
+PROMPTS = [
+    "User: what is 12 times 7? Assistant:",
+    "The quick brown fox",
+    "On-policy distillation trains a student",
+    "def score(tokens):",
+    "Pack my box with",
+    "The teacher replays the student's prompt",
+    "0 1 2 3 4",
+    "Reinforcement learning with verifiable rewards,",
+]
+
+
+@dataclass
+class DemoSettings:
+    steps: int = 30
+    loss: str = "full_forward_kl"
+    transport: str = "grpc"
+    seed: int = 0
+    response_length: int = 16
+    groups: int = 4  # sampling batches per step; each is scored while the next is sampled
+    samples_per_prompt: int = 2  # responses per prompt (a GRPO-style group)
+    topk: int = 32
+    noise: float = 0.6
+    lr: float = 3e-3
+    quickstart: bool = True
+
+
+@dataclass
+class StepLog:
+    step: int
+    loss: float
+    loss_min: float
+    loss_max: float
+    tokens_per_s: float
+    seconds: float
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+def _line(log: StepLog) -> str:
+    return (f"step {log.step:3d}  distillation/loss {log.loss:8.4f}  loss_min {log.loss_min:8.4f}  "
+            f"loss_max {log.loss_max:8.4f}  scoring {log.tokens_per_s:7.0f} tok/s  ({log.seconds:.2f}s)")
+
+
+class _Progress:
+    """tqdm when installed, plain lines otherwise; per-step metrics are printed either way."""
+
+    def __init__(self, total: int) -> None:
+        try:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, desc="distilling", unit="step", file=sys.stderr, dynamic_ncols=True)
+        except ImportError:
+            self._bar = None
+
+    def step(self, log: StepLog) -> None:
+        if self._bar is None:
+            print(_line(log), flush=True)
+            return
+        self._bar.write(_line(log))
+        self._bar.set_postfix(loss=f"{log.loss:.4f}")
+        self._bar.update(1)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def _quickstart(server, model_dir: Path, tokenizer) -> None:
+    """A few sequences scored through gRPC and HTTP, printed side by side."""
+    from proctor.server.quickstart import SAMPLES
+    from proctor.server.score_cli import RowScores, format_table
+
+    async def both():
+        async with TeacherClient(f"grpc://{server.grpc_target}") as g, TeacherClient(server.http_url) as h:
+            for prompt, response in SAMPLES:
+                prompt_ids = tokenizer(prompt)["input_ids"]
+                ids = prompt_ids + tokenizer(response)["input_ids"]
+                a, b = await asyncio.gather(g.score(ids, prompt_length=len(prompt_ids), topk=3),
+                                            h.score(ids, prompt_length=len(prompt_ids), topk=3))
+                rows = RowScores(a.first_row, a.logprobs.tolist(), a.topk_ids.tolist(), a.topk_logprobs.tolist(),
+                                 a.teacher)
+                print(f"prompt {prompt!r}  response {response!r}  (through gRPC)")
+                print(format_table(ids, rows, tokenizer))
+                print(f"through HTTP: max |gRPC - HTTP| = {(a.logprobs - b.logprobs).abs().max().item():.2e}\n")
+
+    print(f"tiny teacher at {model_dir}\nserving gRPC {server.grpc_target}, HTTP {server.http_url}\n")
+    asyncio.run(both())
+
+
+async def _rollout_and_score(student, prompts, scorer: RolloutScorer, settings: DemoSettings, step: int,
+                             pad_token_id: int) -> tuple[list[ScoredSample], float, float]:
+    """Sample in `groups` batches on a worker thread; each finished batch is scored while the
+    next one is sampled. Returns the scored samples (input order), scoring seconds, total seconds."""
+    groups = [prompts[i :: settings.groups] for i in range(settings.groups)]
+    started = time.monotonic()
+    first_submit: list[float] = []
+
+    async def finished_rollouts():
+        for g, group in enumerate(groups):
+            rollouts = await asyncio.to_thread(sample_responses, student, group, length=settings.response_length,
+                                               pad_token_id=pad_token_id, seed=settings.seed * 100_003 + step * 97 + g)
+            first_submit.append(time.monotonic())
+            for rollout in rollouts:
+                yield RolloutSample(rollout.prompt_ids, rollout.response_ids)
+
+    results = [scored async for scored in scorer.scored(finished_rollouts())]
+    ended = time.monotonic()
+    results.sort(key=lambda s: s.index)
+    return results, ended - first_submit[0], ended - started
+
+
+def _loss_inputs(mode: str, results: list[ScoredSample], student, teacher_weight) -> dict:
+    sequences = [(s.sample.token_ids, s.sample.prompt_length) for s in results]
+    hidden, targets = response_hidden(student, sequences)
+    weight = student.get_output_embeddings().weight
+    if mode in ("k1", "k3"):
+        logits = hidden @ weight.T
+        student_logprobs = torch.log_softmax(logits.float(), -1).gather(1, targets[:, None]).squeeze(1)
+        teacher = torch.cat([s.scores.logprobs for s in results])
+        return {"student_logprobs": student_logprobs, "teacher_logprobs": teacher}
+    inputs = {"student_hidden": hidden, "student_weight": weight}
+    if mode == "forward_kl_topk":
+        inputs["teacher_topk_ids"] = torch.cat([s.scores.topk_ids for s in results]).long()
+        inputs["teacher_topk_logprobs"] = torch.cat([s.scores.topk_logprobs for s in results])
+        return inputs
+    teacher_hidden, _ = hidden_states_batch([s.scores for s in results]).packed()
+    inputs["teacher_hidden"] = teacher_hidden.float()
+    inputs["teacher_weight"] = teacher_weight
+    return inputs
+
+
+def train(server, model_dir: Path, tokenizer, settings: DemoSettings, out: Path) -> list[StepLog]:
+    """The distillation loop against a running server; returns one StepLog per step."""
+    mode = LOSSES[settings.loss]
+    student = noisy_student(model_dir, noise=settings.noise, seed=settings.seed)
+    optimizer = torch.optim.Adam(student.parameters(), lr=settings.lr)
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS for _ in range(settings.samples_per_prompt)]
+    pad = tokenizer.pad_token_id
+    # No log-prob floor: verl's -10 default zeroes the gradient exactly where the noisy
+    # student is furthest from the teacher, and the curve would stall.
+    config = {"loss_mode": mode, "topk": settings.topk, "use_task_rewards": False, "log_prob_min_clamp": None,
+              "use_policy_gradient": mode == "k1", "loss_agg_mode": "token-mean"}
+    target = f"grpc://{server.grpc_target}" if settings.transport == "grpc" else server.http_url
+    logs: list[StepLog] = []
+    progress = _Progress(settings.steps)
+
+    async def run() -> None:
+        full_vocab = mode in ("nitrobrew", "nitrobrew_reverse_kl", "full_jsd")
+        async with TeacherClient(target, max_concurrency=16) as client:
+            teacher_weight = None
+            if full_vocab:  # the unembedding streams over gRPC only
+                async with TeacherClient(f"grpc://{server.grpc_target}") as grpc_client:
+                    teacher_weight = await grpc_client.unembedding()
+            scorer = RolloutScorer(client, key_column=None, logprobs=True, hidden_states=full_vocab,
+                                   topk=settings.topk if mode == "forward_kl_topk" else 0)
+            for step in range(1, settings.steps + 1):
+                tokens_before = scorer.scored_tokens
+                results, scoring_s, step_s = await _rollout_and_score(student, prompts, scorer, settings, step, pad)
+                output = distillation_loss(config, **_loss_inputs(mode, results, student, teacher_weight))
+                if output.loss is not None:
+                    objective = output.loss
+                else:  # k1 as a policy gradient: the detached penalty weights log pi(a)
+                    penalty = output.advantage_penalty
+                    student_logprobs = _loss_inputs("k1", results, student, None)["student_logprobs"]
+                    objective = (penalty * student_logprobs).mean()
+                optimizer.zero_grad()
+                objective.backward()
+                optimizer.step()
+                m = output.metrics
+                log = StepLog(step, m["loss"], m["loss_min"], m["loss_max"],
+                              (scorer.scored_tokens - tokens_before) / max(scoring_s, 1e-9), step_s)
+                logs.append(log)
+                progress.step(log)
+
+    try:
+        asyncio.run(run())
+    finally:
+        progress.close()
+    return logs
+
+
+def run_demo(steps: int = 30, loss: str = "full_forward_kl", transport: str = "grpc", out: Path = Path("out"),
+             seed: int = 0, **overrides) -> int:
+    """Start the tiny teacher, distil a noisy student from it, write the loss plot; exit code."""
+    if loss not in LOSSES:
+        print(f"proctor demo: --loss must be one of {', '.join(LOSSES)}, got {loss!r}", file=sys.stderr)
+        return 2
+    if transport not in TRANSPORTS:
+        print(f"proctor demo: --transport must be grpc or http, got {transport!r}", file=sys.stderr)
+        return 2
+    if steps < 1:
+        print("proctor demo: --steps must be at least 1", file=sys.stderr)
+        return 2
+    from transformers import AutoTokenizer
+
+    from proctor.server.engines import EngineSpec
+    from proctor.server.runtime import ServerOptions, ServerThread, single_teacher_router
+    from proctor.server.tiny_model import ensure_default_model
+
+    settings = DemoSettings(steps=steps, loss=loss, transport=transport, seed=seed, **overrides)
+    torch.manual_seed(seed)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    model_dir = ensure_default_model()
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    spec = EngineSpec(name="torch", model_path=str(model_dir), max_topk=max(64, settings.topk))
+    with ServerThread(single_teacher_router(spec, name="tiny"), ServerOptions(grpc_port=0, http_port=0)) as server:
+        if settings.quickstart:
+            _quickstart(server, model_dir, tokenizer)
+        print(f"on-policy distillation: loss {loss} ({LOSSES[loss]}), transport {transport}, {steps} steps, "
+              f"{len(PROMPTS)} prompts x {settings.samples_per_prompt} samples x {settings.response_length} tokens, "
+              f"sampled in {settings.groups} batches")
+        started = time.monotonic()
+        logs = train(server, model_dir, tokenizer, settings, out)
+        elapsed = time.monotonic() - started
+    losses = [log.loss for log in logs]
+    plot = out / f"loss_{loss}.png"
+    writer = plot_losses(plot, losses, [log.loss_min for log in logs], [log.loss_max for log in logs],
+                         f"proctor demo: {loss} over {transport}")
+    (out / f"loss_{loss}.json").write_text(json.dumps([log.__dict__ for log in logs], indent=1))
+    ratio = losses[-1] / losses[0] if losses[0] else float("nan")
+    print(f"\nloss {losses[0]:.4f} -> {losses[-1]:.4f} (x{ratio:.3f}) in {elapsed:.1f}s; "
+          f"plot {plot} ({writer}), log {out / f'loss_{loss}.json'}")
+    return 0
