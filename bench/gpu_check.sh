@@ -26,7 +26,10 @@ if [ -n "${OMNI_MODEL:-}" ] && ! "$PYTHON" -c "import vllm_omni" 2>/dev/null; th
 fi
 "$PYTHON" -c "import proctor.server.engines" 2>/dev/null || "$PYTHON" -m pip install -q -e ".[server]"
 
-exec "$PYTHON" - <<'EOF'
+# vLLM spawns its engine processes, which re-import the main module: run from a file, not stdin.
+SCRIPT=$(mktemp --suffix=.py)
+trap 'rm -f "$SCRIPT"' EXIT
+cat > "$SCRIPT" <<'EOF'
 import asyncio, os, sys, tempfile
 import torch
 
@@ -108,3 +111,4 @@ async def main():
 if __name__ == "__main__":
     asyncio.run(main())
 EOF
+"$PYTHON" "$SCRIPT"
