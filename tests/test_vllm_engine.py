@@ -34,7 +34,9 @@ from proctor.server.engines.vllm_common import (
 session_loop = pytest.mark.asyncio(loop_scope="session")
 
 TOL = 1e-4
-VLLM_INFERENCE = {"gpu_memory_utilization": 0.2, "max_model_len": 2048}
+# enforce_eager: skips torch.compile warm-up (~40 s per engine on 2 cores); the compiled path is the
+# one the subprocess test below and bench/gpu_check.sh (DEVICE=cpu) run.
+VLLM_INFERENCE = {"gpu_memory_utilization": 0.2, "max_model_len": 2048, "enforce_eager": True}
 
 
 def _make(dir_, **kw):
