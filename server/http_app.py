@@ -126,6 +126,27 @@ async def _until_disconnected(request: Request) -> None:
         await asyncio.sleep(0.05)
 
 
+class BearerTokenMiddleware:
+    """Plain ASGI middleware: refuses calls without the token, otherwise passes the ASGI
+    channels through untouched (Starlette's `@app.middleware("http")` wraps `receive`, which
+    hides a client's disconnect from the handler and so would keep cancelled work running)."""
+
+    def __init__(self, app, *, auth: TokenAuth, open_paths: tuple[str, ...]) -> None:
+        self.app = app
+        self.auth = auth
+        self.open_paths = open_paths
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] not in self.open_paths:
+            headers = dict(scope.get("headers") or ())
+            value = headers.get(b"authorization")
+            if not self.auth.allows(value.decode("latin-1") if value is not None else None):
+                error = ScoringError(Code.UNAUTHENTICATED, "missing or invalid bearer token (Authorization header)")
+                await error_response(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def create_app(
     service: ScoringService,
     *,
@@ -135,12 +156,8 @@ def create_app(
 ) -> FastAPI:
     auth = auth or TokenAuth(None)
     app = FastAPI(title="proctor", version="1", summary="Teacher scoring for on-policy distillation")
-
-    @app.middleware("http")
-    async def check_token(request: Request, call_next):
-        if auth.enabled and request.url.path not in open_paths and not auth.allows(request.headers.get("authorization")):
-            return error_response(ScoringError(Code.UNAUTHENTICATED, "missing or invalid bearer token (Authorization header)"))
-        return await call_next(request)
+    if auth.enabled:
+        app.add_middleware(BearerTokenMiddleware, auth=auth, open_paths=open_paths)
 
     @app.post(
         "/v1/score",

@@ -183,6 +183,9 @@ class ServerThread:
         return f"http://{self._options.host}:{self.server.http_port}"
 
     def stop(self) -> None:
+        """Stop serving and end the loop; calling it again does nothing."""
+        if not self._thread.is_alive():
+            return
         if self.server is not None:
             with contextlib.suppress(Exception):
                 self.call(self.server.stop(), timeout=60)

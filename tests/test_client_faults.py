@@ -85,18 +85,7 @@ async def test_server_restart_mid_run_loses_and_duplicates_nothing(tiny_model_di
         torch.testing.assert_close(scores.logprobs.double(), reference.rows(seq)["logprobs"], atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize(
-    "transport",
-    [
-        "grpc",
-        pytest.param("http", marks=pytest.mark.xfail(
-            strict=True,
-            reason="server/http_app.py: the @app.middleware('http') auth middleware (Starlette's "
-                   "BaseHTTPMiddleware) hides http.disconnect from request.is_disconnected(), so the "
-                   "server never sees the client close the connection",
-        )),
-    ],
-)
+@pytest.mark.parametrize("transport", ["grpc", "http"])
 async def test_cancelling_a_call_withdraws_it_from_the_server(slow_server, transport):
     engine = engine_of(slow_server, "slow")
     cancelled_before = request_count(slow_server, "cancelled")
