@@ -3,8 +3,9 @@
 Bodies are the same `ScoreRequest` / `ScoreResponse` messages as gRPC
 (`application/x-protobuf`), so both transports decode identical bytes. The deadline travels
 in `x-request-timeout`; a cancelled call closes its connection, which the server notices and
-withdraws the request. The HTTP API has no stream or unembedding endpoint: hidden states come
-in one response, and `unembedding` says to use a gRPC target.
+withdraws the request. Streams (`POST /v1/score/stream`, `GET /v1/unembedding`) are
+length-delimited `ScoreChunk` / `TensorChunk` messages, read back into the very messages the
+gRPC transport yields.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from google.protobuf.message import DecodeError
 
 from proctor.client.transports import TeacherError, Transport, make_error
 from proctor.proto import scoring_pb2
+from proctor.proto.framing import read_frames
 
 PROTOBUF = "application/x-protobuf"
 TIMEOUT_HEADER = "x-request-timeout"
@@ -97,29 +99,41 @@ class HttpTransport(Transport):
             raise make_error("INTERNAL", f"the server's answer is not a ScoreResponse ({exc})") from None
         return message
 
+    async def _stream(self, method: str, path: str, message_type, *, timeout: float | None, **kwargs):
+        """Frames of message_type from a streamed answer; errors before the body become TeacherErrors."""
+        deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout + _DEADLINE_GRACE_S
+        try:
+            async with self._client.stream(method, path, **kwargs) as response:
+                if response.status_code != 200:
+                    await response.aread()
+                    raise error_from_response(response)
+                async for message in read_frames(response.aiter_bytes(), message_type):
+                    if deadline is not None and asyncio.get_running_loop().time() > deadline:
+                        raise make_error("DEADLINE_EXCEEDED", f"stream not finished within the deadline ({timeout:.3f}s)")
+                    yield message
+        except httpx.TimeoutException as exc:
+            raise make_error("DEADLINE_EXCEEDED", f"HTTP timeout: {exc!r}") from None
+        except httpx.TransportError as exc:
+            raise make_error("UNAVAILABLE", f"cannot reach {self._client.base_url}: {exc!r}") from None
+        except (ValueError, DecodeError) as exc:
+            raise make_error("INTERNAL", f"the server's stream is malformed ({exc})") from None
+
     async def score_stream(self, request, timeout) -> AsyncIterator[scoring_pb2.ScoreChunk]:
-        """HTTP has no stream: one response becomes one chunk holding every row."""
-        response = await self.score(request, timeout)
-        chunk = scoring_pb2.ScoreChunk(
-            request_id=response.request_id, teacher=response.teacher, model=response.model,
-            num_tokens=response.num_tokens, first_row=response.first_row, last=True,
-        )
-        for name in ("logprobs", "topk_ids", "topk_logprobs", "hidden_states"):
-            if response.HasField(name):
-                getattr(chunk, name).CopyFrom(getattr(response, name))
-        yield chunk
+        headers = {"content-type": PROTOBUF}
+        if timeout is not None:
+            headers[TIMEOUT_HEADER] = f"{max(0.0, timeout):.3f}"
+        async for chunk in self._stream("POST", "/v1/score/stream", scoring_pb2.ScoreChunk, timeout=timeout,
+                                        content=request.SerializeToString(), headers=headers):
+            yield chunk
 
     async def list_teachers(self, timeout):
         response = await self._send("GET", "/v1/teachers", timeout=timeout)
         return json_format.ParseDict(response.json(), scoring_pb2.TeachersResponse(), ignore_unknown_fields=True)
 
     async def unembedding(self, teacher_key, timeout) -> AsyncIterator[scoring_pb2.TensorChunk]:
-        raise make_error(
-            "UNIMPLEMENTED",
-            "the HTTP API serves no unembedding; fetch it from the server's gRPC port "
-            "(TeacherClient('grpc://host:port').unembedding(...))",
-        )
-        yield  # pragma: no cover - makes this an async generator
+        async for chunk in self._stream("GET", "/v1/unembedding", scoring_pb2.TensorChunk, timeout=timeout,
+                                        params={"teacher_key": teacher_key or ""}):
+            yield chunk
 
     async def close(self) -> None:
         await self._client.aclose()

@@ -81,3 +81,12 @@ def score_json(scored: Scored) -> dict:
             "data": base64.b64encode(wire.data).decode("ascii"),
         }
     return body
+
+
+def unembedding_chunks(weight: torch.Tensor, fingerprint: str, *, chunk_bytes: int = 2 << 20) -> Iterator[scoring_pb2.TensorChunk]:
+    """The [V, H] weight in whole rows, each chunk carrying the full shape and the fingerprint."""
+    pieces = list(iter_row_chunks(weight, target_bytes=chunk_bytes))
+    for index, piece in enumerate(pieces):
+        yield scoring_pb2.TensorChunk(
+            tensor=piece, full_shape=list(weight.shape), fingerprint=fingerprint, last=index == len(pieces) - 1
+        )

@@ -14,9 +14,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from proctor.proto import encode_tensor, scoring_pb2, scoring_pb2_grpc
+from proctor.proto import scoring_pb2, scoring_pb2_grpc
 from proctor.server.auth import TokenAuth
-from proctor.server.encoding import score_chunks, score_response
+from proctor.server.encoding import score_chunks, score_response, unembedding_chunks
 from proctor.server.errors import Code, ScoringError
 from proctor.server.service import ScoringService
 
@@ -90,13 +90,8 @@ class TeacherScoringServicer(scoring_pb2_grpc.TeacherScoringServicer):
         except ScoringError as error:
             await _abort(context, error)
             return
-        from proctor.proto import iter_row_chunks
-
-        pieces = list(iter_row_chunks(weight, target_bytes=self.stream_chunk_bytes))
-        for index, piece in enumerate(pieces):
-            yield scoring_pb2.TensorChunk(
-                tensor=piece, full_shape=list(weight.shape), fingerprint=fingerprint, last=index == len(pieces) - 1
-            )
+        for chunk in unembedding_chunks(weight, fingerprint, chunk_bytes=self.stream_chunk_bytes):
+            yield chunk
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):
@@ -181,5 +176,3 @@ class GrpcServer:
     async def stop(self, grace: float | None = None) -> None:
         await self.server.stop(grace)
 
-
-__all__ = ["GrpcServer", "encode_tensor"]

@@ -16,14 +16,15 @@ import json
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from google.protobuf.message import DecodeError
 
 from proctor.proto import scoring_pb2
+from proctor.proto.framing import STREAM_MEDIA_TYPE, frame
 from proctor.server.auth import OPEN_PATHS, TokenAuth
-from proctor.server.encoding import score_json, score_response
+from proctor.server.encoding import score_chunks, score_json, score_response, unembedding_chunks
 from proctor.server.errors import Code, ScoringError, invalid
-from proctor.server.service import ScoringService
+from proctor.server.service import Scored, ScoringService
 
 PROTOBUF = "application/x-protobuf"
 TIMEOUT_HEADER = "x-request-timeout"
@@ -108,6 +109,25 @@ def request_from_json(body: Any) -> scoring_pb2.ScoreRequest:
     return request
 
 
+_SCORE_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {"schema": {"type": "object", "properties": {
+                "teacher_key": {"type": "string"},
+                "token_ids": {"type": "array", "items": {"type": "integer"}},
+                "prompt_length": {"type": "integer"},
+                "logprobs": {"type": "boolean"},
+                "topk": {"type": "integer"},
+                "hidden_states": {"type": "boolean"},
+                "request_id": {"type": "string"},
+            }, "required": ["token_ids"]}},
+            PROTOBUF: {"schema": {"type": "string", "format": "binary"}},
+        },
+    }
+}
+
+
 def _timeout(request: Request) -> float | None:
     raw = request.headers.get(TIMEOUT_HEADER)
     if raw is None:
@@ -152,6 +172,7 @@ def create_app(
     *,
     auth: TokenAuth | None = None,
     max_body_bytes: int = 64 << 20,
+    stream_chunk_bytes: int = 2 << 20,
     open_paths: tuple[str, ...] = OPEN_PATHS,
 ) -> FastAPI:
     auth = auth or TokenAuth(None)
@@ -159,75 +180,98 @@ def create_app(
     if auth.enabled:
         app.add_middleware(BearerTokenMiddleware, auth=auth, open_paths=open_paths)
 
-    @app.post(
-        "/v1/score",
-        summary="Score one sequence with a teacher",
-        openapi_extra={
-            "requestBody": {
-                "required": True,
-                "content": {
-                    "application/json": {"schema": {"type": "object", "properties": {
-                        "teacher_key": {"type": "string"},
-                        "token_ids": {"type": "array", "items": {"type": "integer"}},
-                        "prompt_length": {"type": "integer"},
-                        "logprobs": {"type": "boolean"},
-                        "topk": {"type": "integer"},
-                        "hidden_states": {"type": "boolean"},
-                        "request_id": {"type": "string"},
-                    }, "required": ["token_ids"]}},
-                    PROTOBUF: {"schema": {"type": "string", "format": "binary"}},
-                },
-            }
-        },
-    )
+    async def parse(request: Request) -> tuple[scoring_pb2.ScoreRequest, str]:
+        """The request's ScoreRequest (JSON or protobuf body) and its content type."""
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
+            raise ScoringError(Code.PAYLOAD_TOO_LARGE, f"body: {declared} bytes exceed the limit of {max_body_bytes}", field="body")
+        raw = await request.body()
+        if len(raw) > max_body_bytes:
+            raise ScoringError(Code.PAYLOAD_TOO_LARGE, f"body: {len(raw)} bytes exceed the limit of {max_body_bytes}", field="body")
+        content_type = request.headers.get("content-type", "application/json").split(";")[0].strip()
+        if content_type == PROTOBUF:
+            message = scoring_pb2.ScoreRequest()
+            try:
+                message.ParseFromString(raw)
+            except DecodeError as exc:
+                raise invalid("body", "is not a valid ScoreRequest protobuf") from exc
+            return message, content_type
+        if content_type in ("application/json", ""):
+            try:
+                body = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise invalid("body", f"is not valid JSON ({exc})") from exc
+            return request_from_json(body), content_type
+        raise invalid("content-type", f"{content_type!r} is not supported: use application/json or {PROTOBUF}")
+
+    async def score_unless_disconnected(request: Request, message: scoring_pb2.ScoreRequest) -> Scored | None:
+        """Score, but withdraw the request (None) if the client goes away first."""
+        task = asyncio.ensure_future(service.score(message, timeout=_timeout(request)))
+        watcher = asyncio.ensure_future(_until_disconnected(request))
+        try:
+            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, ScoringError):
+            await task
+        return None
+
+    @app.post("/v1/score", summary="Score one sequence with a teacher", openapi_extra=_SCORE_BODY)
     async def score(request: Request) -> Response:
         try:
-            declared = request.headers.get("content-length")
-            if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
-                raise ScoringError(Code.PAYLOAD_TOO_LARGE, f"body: {declared} bytes exceed the limit of {max_body_bytes}", field="body")
-            raw = await request.body()
-            if len(raw) > max_body_bytes:
-                raise ScoringError(Code.PAYLOAD_TOO_LARGE, f"body: {len(raw)} bytes exceed the limit of {max_body_bytes}", field="body")
-            content_type = request.headers.get("content-type", "application/json").split(";")[0].strip()
-            if content_type == PROTOBUF:
-                message = scoring_pb2.ScoreRequest()
-                try:
-                    message.ParseFromString(raw)
-                except DecodeError as exc:
-                    raise invalid("body", "is not a valid ScoreRequest protobuf") from exc
-            elif content_type in ("application/json", ""):
-                try:
-                    body = json.loads(raw)
-                except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                    raise invalid("body", f"is not valid JSON ({exc})") from exc
-                message = request_from_json(body)
-            else:
-                raise invalid("content-type", f"{content_type!r} is not supported: use application/json or {PROTOBUF}")
-            timeout = _timeout(request)
-            task = asyncio.ensure_future(service.score(message, timeout=timeout))
-            watcher = asyncio.ensure_future(_until_disconnected(request))
-            try:
-                await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                watcher.cancel()
-            if not task.done():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, ScoringError):
-                    await task
-                return Response(status_code=499)
-            scored = task.result()
+            message, content_type = await parse(request)
+            scored = await score_unless_disconnected(request, message)
         except ScoringError as error:
             return error_response(error)
-        wants_protobuf = PROTOBUF in request.headers.get("accept", "") or (
-            content_type == PROTOBUF and "application/json" not in request.headers.get("accept", "")
-        )
-        if wants_protobuf:
+        if scored is None:
+            return Response(status_code=499)
+        accept = request.headers.get("accept", "")
+        if PROTOBUF in accept or (content_type == PROTOBUF and "application/json" not in accept):
             payload = score_response(scored).SerializeToString()
             service.record_bytes(scored, len(payload))
             return Response(payload, media_type=PROTOBUF)
         payload = json.dumps(score_json(scored), separators=(",", ":")).encode()
         service.record_bytes(scored, len(payload))
         return Response(payload, media_type="application/json")
+
+    @app.post(
+        "/v1/score/stream",
+        summary="Score one sequence; the answer is length-delimited ScoreChunk messages (hidden states in whole rows)",
+        openapi_extra=_SCORE_BODY,
+    )
+    async def score_stream(request: Request) -> Response:
+        try:
+            message, _ = await parse(request)
+            scored = await score_unless_disconnected(request, message)
+        except ScoringError as error:
+            return error_response(error)
+        if scored is None:
+            return Response(status_code=499)
+
+        def frames():
+            for chunk in score_chunks(scored, chunk_bytes=stream_chunk_bytes):
+                data = frame(chunk)
+                service.record_bytes(scored, len(data))
+                yield data
+
+        return StreamingResponse(frames(), media_type=STREAM_MEDIA_TYPE)
+
+    @app.get(
+        "/v1/unembedding",
+        summary="The teacher's lm_head [V, H] as length-delimited TensorChunk messages of whole rows",
+    )
+    async def unembedding(teacher_key: str = "") -> Response:
+        try:
+            weight, fingerprint = service.unembedding(teacher_key)
+        except ScoringError as error:
+            return error_response(error)
+        return StreamingResponse(
+            (frame(chunk) for chunk in unembedding_chunks(weight, fingerprint, chunk_bytes=stream_chunk_bytes)),
+            media_type=STREAM_MEDIA_TYPE,
+        )
 
     @app.get("/v1/teachers", summary="The teachers this server scores with")
     async def teachers() -> dict:

@@ -78,7 +78,8 @@ class ProctorServer:
             stream_chunk_bytes=options.stream_chunk_bytes,
             tls=tls,
         )
-        app = create_app(self.service, auth=auth, max_body_bytes=options.max_message_bytes, open_paths=options.open_paths)
+        app = create_app(self.service, auth=auth, max_body_bytes=options.max_message_bytes,
+                         stream_chunk_bytes=options.stream_chunk_bytes, open_paths=options.open_paths)
         ssl = {}
         if options.tls_cert_file and options.tls_key_file:
             ssl = {"ssl_certfile": options.tls_cert_file, "ssl_keyfile": options.tls_key_file}

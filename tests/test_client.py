@@ -112,8 +112,9 @@ async def test_stream_hidden_states_reassembles_many_chunks(tiny_model_dir, torc
         server.stop()
 
 
-async def test_unembedding_is_the_teachers_lm_head_and_is_cached(torch_server, reference):
-    async with TeacherClient(target(torch_server, "grpc")) as client:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_unembedding_is_the_teachers_lm_head_and_is_cached(torch_server, reference, transport):
+    async with TeacherClient(target(torch_server, transport)) as client:
         weight = await client.unembedding("tiny")
         again = await client.unembedding()
     assert again is weight
@@ -130,10 +131,13 @@ async def test_unembedding_from_other_weights_is_refused(torch_server):
             await client.unembedding("tiny")
 
 
-async def test_unembedding_over_http_points_to_grpc(torch_server):
-    async with TeacherClient(target(torch_server, "http")) as client:
-        with pytest.raises(Exception, match="gRPC"):
-            await client.unembedding("tiny")
+async def test_http_stream_reassembles_like_grpc(torch_server):
+    ids = list(range(3, 200))
+    async with TeacherClient(target(torch_server, "grpc")) as via_grpc, \
+            TeacherClient(target(torch_server, "http")) as via_http:
+        a = await via_grpc.stream_hidden_states(ids, topk=3)
+        b = await via_http.stream_hidden_states(ids, topk=3)
+    assert torch.equal(a.hidden_states, b.hidden_states) and torch.equal(a.logprobs, b.logprobs)
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

@@ -71,3 +71,21 @@ def test_row_chunks_are_whole_rows_that_reassemble():
     assert all(p.shape[1] == 33 for p in pieces)
     assert [p.first_row for p in pieces][:2] == [5, 5 + pieces[0].shape[0]]
     assert torch.equal(torch.cat([decode_tensor(p) for p in pieces]), value)
+
+
+async def test_frames_split_anywhere_reassemble_and_truncation_is_detected():
+    from proctor.proto import scoring_pb2
+    from proctor.proto.framing import frame, read_frames
+
+    messages = [scoring_pb2.TensorChunk(fingerprint=f"f{i}", tensor=encode_tensor(torch.randn(i + 1, 3))) for i in range(5)]
+    stream = b"".join(frame(m) for m in messages)
+
+    async def pieces(data: bytes, size: int):
+        for start in range(0, len(data), size):
+            yield data[start : start + size]
+
+    for size in (1, 7, len(stream)):
+        got = [m async for m in read_frames(pieces(stream, size), scoring_pb2.TensorChunk)]
+        assert got == messages
+    with pytest.raises(ValueError, match="inside a frame"):
+        [m async for m in read_frames(pieces(stream[:-3], 64), scoring_pb2.TensorChunk)]

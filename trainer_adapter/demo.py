@@ -190,9 +190,8 @@ def train(server, model_dir: Path, tokenizer, settings: DemoSettings, out: Path)
         full_vocab = mode in ("nitrobrew", "nitrobrew_reverse_kl", "full_jsd")
         async with TeacherClient(target, max_concurrency=16) as client:
             teacher_weight = None
-            if full_vocab:  # the unembedding streams over gRPC only
-                async with TeacherClient(f"grpc://{server.grpc_target}") as grpc_client:
-                    teacher_weight = await grpc_client.unembedding()
+            if full_vocab:
+                teacher_weight = await client.unembedding()
             scorer = RolloutScorer(client, key_column=None, logprobs=True, hidden_states=full_vocab,
                                    topk=settings.topk if mode == "forward_kl_topk" else 0)
             for step in range(1, settings.steps + 1):
