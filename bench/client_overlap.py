@@ -22,40 +22,21 @@ import asyncio
 import time
 
 from proctor.client import TeacherClient
-from proctor.server.engines import EngineSpec, TeacherEngine, create_engine
+from proctor.server.chaos import InjectedEngine
+from proctor.server.engines import EngineSpec, create_engine
 from proctor.server.routing import Replica, Router, Teacher
 from proctor.server.runtime import ServerOptions, ServerThread
 from proctor.server.tiny_model import ensure_default_model
 from proctor.trainer_adapter.rollout import RolloutSample, RolloutScorer
 
 
-class DeviceLikeEngine(TeacherEngine):
-    """The torch engine plus a fixed wait per batch (a larger teacher on an accelerator)."""
-
-    def __init__(self, spec: EngineSpec, delay_s: float) -> None:
-        self.inner = create_engine(spec)
-        self.delay_s = delay_s
-
-    async def start(self) -> None:
-        await self.inner.start()
-
-    def describe(self):
-        return self.inner.describe()
-
-    def unembedding(self):
-        return self.inner.unembedding()
-
-    def token_budget(self) -> int:
-        return 256  # small batches, so that scoring time grows with the number of sequences
-
-    async def score(self, batch):
-        await asyncio.sleep(self.delay_s)
-        return await self.inner.score(batch)
-
-
 def server_for(spec: EngineSpec, delay_s: float | None) -> ServerThread:
     async def build():
-        return create_engine(spec) if delay_s is None else DeviceLikeEngine(spec, delay_s)
+        if delay_s is None:
+            return create_engine(spec)
+        # A larger teacher on an accelerator: a fixed wait per batch, and small batches so
+        # that scoring time grows with the number of sequences.
+        return InjectedEngine(create_engine(spec), delay_per_batch_s=delay_s, token_budget=256)
 
     router = Router([Teacher("tiny", [Replica("tiny-0", build)])])
     return ServerThread(router, ServerOptions(grpc_port=0, http_port=0))  # started by `with`

@@ -1,7 +1,7 @@
 """Fault and delay injection around a real engine, for failover drills and routing benchmarks.
 
 `InjectedEngine` wraps a real `TeacherEngine`: it can be made slower (a per-token delay,
-as a slower device would be), killed (every later call fails and its health check says
+as a slower device would be, or a per-batch one, as a larger teacher would be), killed (every later call fails and its health check says
 so: a crashed replica) or frozen (calls never return and the health check fails: a wedged
 device or a hung actor), which is what failing replicas look like to the router. Scores still come from the
 wrapped engine, so answers can be checked exactly while replicas fail under them.
@@ -19,9 +19,20 @@ from proctor.server.engines.base import EngineError, EngineInfo, EngineRequest, 
 class InjectedEngine(TeacherEngine):
     """A real engine plus a kill switch and an optional per-token delay."""
 
-    def __init__(self, inner: TeacherEngine, *, delay_per_token_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        inner: TeacherEngine,
+        *,
+        delay_per_token_s: float = 0.0,
+        delay_per_batch_s: float = 0.0,
+        token_budget: int | None = None,
+    ) -> None:
         self.inner = inner
         self.delay_per_token_s = delay_per_token_s
+        self.delay_per_batch_s = delay_per_batch_s
+        self._token_budget = token_budget
+        self.batches_started = 0
+        self.scored_ids: list[str] = []  # requests whose batch completed: proof of what cost compute
         self.dead = False
         self.frozen = False
         self.batches = 0
@@ -49,7 +60,11 @@ class InjectedEngine(TeacherEngine):
         return self.inner.describe()
 
     def token_budget(self) -> int:
-        return self.inner.token_budget()
+        return self._token_budget or self.inner.token_budget()
+
+    @property
+    def forward_passes(self) -> int:
+        return getattr(self.inner, "forward_passes", self.batches)
 
     def unembedding(self) -> torch.Tensor:
         return self.inner.unembedding()
@@ -61,12 +76,15 @@ class InjectedEngine(TeacherEngine):
         if self.dead:
             raise EngineError("injected failure: replica is dead")
         await self._hang_if_frozen()
-        if self.delay_per_token_s:
-            await asyncio.sleep(self.delay_per_token_s * sum(r.num_tokens for r in batch))
+        self.batches_started += 1
+        delay = self.delay_per_batch_s + self.delay_per_token_s * sum(r.num_tokens for r in batch)
+        if delay:
+            await asyncio.sleep(delay)
         results = await self.inner.score(batch)
         await self._hang_if_frozen()
         if self.dead:  # killed while the batch ran: its results are lost with it
             raise EngineError("injected failure: replica died mid-batch")
         self.batches += 1
         self.requests += len(batch)
+        self.scored_ids.extend(r.request_id for r in batch)
         return results

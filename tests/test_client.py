@@ -6,7 +6,6 @@ import random
 
 import pytest
 import torch
-from test_client_support import Reference
 
 from proctor.client import (
     NO_RETRY,
@@ -18,6 +17,8 @@ from proctor.client import (
     TeacherNotFound,
     UnembeddingMismatch,
 )
+
+from client_support import Reference
 
 TRANSPORTS = ("grpc", "http")
 
@@ -92,10 +93,10 @@ async def test_score_many_takes_per_sequence_inputs(torch_server):
 
 
 async def test_stream_hidden_states_reassembles_many_chunks(tiny_model_dir, torch_server):
-    from test_client_support import start_server
-
     from proctor.server.engines import EngineSpec
     from proctor.server.runtime import single_teacher_router
+
+    from client_support import start_server
 
     spec = EngineSpec(name="torch", model_path=str(tiny_model_dir))
     # 64 floats per row: 1 KiB chunks hold 4 rows, so 60 rows come in 15 chunks.

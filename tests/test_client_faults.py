@@ -8,14 +8,6 @@ import time
 
 import pytest
 import torch
-from test_client_support import (
-    Reference,
-    delayed_router,
-    engine_of,
-    free_port,
-    request_count,
-    start_server,
-)
 
 from proctor.client import (
     NO_RETRY,
@@ -28,6 +20,15 @@ from proctor.client import (
 from proctor.server.engines import EngineSpec
 from proctor.server.runtime import single_teacher_router
 from proctor.server.service import Limits
+
+from client_support import (
+    Reference,
+    delayed_router,
+    engine_of,
+    free_port,
+    request_count,
+    start_server,
+)
 
 TRANSPORTS = ("grpc", "http")
 

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-from scoring_helpers import cpu_config, torch_teacher, write_config
 from typer.testing import CliRunner
 
 from proctor.server.cli import app
@@ -21,6 +20,8 @@ from proctor.server.config import (
     load_plan,
     load_server_config,
 )
+
+from scoring_helpers import cpu_config, torch_teacher, write_config
 
 # verl's multi-teacher example (examples/on_policy_distillation_trainer/run_qwen3_8b_mopd_fsdp.sh),
 # written as YAML with its Hydra `+` overrides, next to the trainer sections verl reads.

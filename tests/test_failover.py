@@ -7,9 +7,10 @@ import threading
 import time
 
 import torch
-from scoring_helpers import InjectedReplicas, grpc_score, logprobs_of, reference_logprobs, sequences, wait_for
 
 from proctor.server.routing import ReplicaState
+
+from scoring_helpers import InjectedReplicas, grpc_score, logprobs_of, reference_logprobs, sequences, wait_for
 
 
 def test_replica_killed_under_load_loses_no_request_and_rejoins(tiny_model_dir):

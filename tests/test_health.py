@@ -9,14 +9,13 @@ import grpc
 import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from proctor.server.chaos import InjectedEngine
 from proctor.server.engines import EngineSpec, create_engine
 from proctor.server.routing import Replica, Router, Teacher
 from proctor.server.runtime import ServerOptions, ServerThread
 
-from slow_engine import DelayedEngine
 
-
-class SlowLoadingEngine(DelayedEngine):
+class SlowLoadingEngine(InjectedEngine):
     async def start(self) -> None:
         await asyncio.sleep(1.5)
         await super().start()
@@ -24,7 +23,7 @@ class SlowLoadingEngine(DelayedEngine):
 
 def test_health_says_not_serving_while_loading_then_serving(tiny_model_dir):
     async def build():
-        return SlowLoadingEngine(create_engine(EngineSpec(name="torch", model_path=str(tiny_model_dir))), 0.0)
+        return SlowLoadingEngine(create_engine(EngineSpec(name="torch", model_path=str(tiny_model_dir))))
 
     server = ServerThread(Router([Teacher("tiny", [Replica("tiny-0", build)])]), ServerOptions(grpc_port=0, http_port=0))
     server.start(wait=False)

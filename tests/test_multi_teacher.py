@@ -9,6 +9,13 @@ import grpc
 import httpx
 import pytest
 import torch
+
+from proctor.server.config import load_server_config
+from proctor.server.engines import EngineRequest, EngineSpec
+from proctor.server.runtime import ServerThread
+from proctor.server.swap import SwapGroup
+from proctor.server.tiny_model import make_tiny_model
+
 from scoring_helpers import (
     cpu_config,
     grpc_score,
@@ -18,12 +25,6 @@ from scoring_helpers import (
     torch_teacher,
     write_config,
 )
-
-from proctor.server.config import load_server_config
-from proctor.server.engines import EngineRequest, EngineSpec
-from proctor.server.runtime import ServerThread
-from proctor.server.swap import SwapGroup
-from proctor.server.tiny_model import make_tiny_model
 
 
 @pytest.fixture(scope="module")

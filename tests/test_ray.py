@@ -6,6 +6,11 @@ import concurrent.futures
 
 import pytest
 import torch
+
+from proctor.server.config import load_server_config
+from proctor.server.routing import ReplicaState
+from proctor.server.runtime import ServerThread
+
 from scoring_helpers import (
     cpu_config,
     grpc_score,
@@ -16,10 +21,6 @@ from scoring_helpers import (
     wait_for,
     write_config,
 )
-
-from proctor.server.config import load_server_config
-from proctor.server.routing import ReplicaState
-from proctor.server.runtime import ServerThread
 
 ray = pytest.importorskip("ray")
 

@@ -7,12 +7,13 @@ import time
 
 import pytest
 import torch
-from test_client_support import Reference, request_count, start_server
 
 from proctor.client import TeacherClient
 from proctor.server.engines import EngineSpec, create_engine
 from proctor.server.routing import Replica, Router, Teacher
 from proctor.trainer_adapter.rollout import RolloutSample, RolloutScorer, RoutingError
+
+from client_support import Reference, request_count, start_server
 
 
 @pytest.fixture(scope="module")

@@ -7,10 +7,11 @@ import concurrent.futures
 import httpx
 import pytest
 import torch
-from scoring_helpers import InjectedReplicas, grpc_score, logprobs_of, reference_logprobs, sequences, wait_for
 
 from proctor.server.errors import Code, ScoringError
 from proctor.server.routing import Replica, ReplicaState, Router, Teacher
+
+from scoring_helpers import InjectedReplicas, grpc_score, logprobs_of, reference_logprobs, sequences, wait_for
 
 SLOW_PER_TOKEN_S = 0.004  # a 20-token request costs the slow replica ~80 ms more than the fast one
 

@@ -19,7 +19,6 @@ from typing import Any, Optional
 import numpy as np
 import pytest
 import torch
-from test_client_support import Reference, start_server
 
 from proctor.client import TeacherClient
 from proctor.client.batch import verl_teacher_batch
@@ -33,6 +32,8 @@ from proctor.trainer_adapter.verl import (
     teacher_unembeddings,
     verl_teacher_keys,
 )
+
+from client_support import Reference, start_server
 
 teacher_manager = pytest.importorskip("verl.experimental.teacher_loop.teacher_manager")
 PAD = 0

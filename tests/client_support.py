@@ -3,17 +3,16 @@ delaying engine that makes the real torch engine slow, and servers on fixed loop
 
 from __future__ import annotations
 
-import asyncio
 import re
 import socket
 from pathlib import Path
 
 import torch
 
-from proctor.server.engines import EngineSpec, TeacherEngine
-from proctor.server.engines.torch_engine import TorchEngine
-from proctor.server.routing import Replica, Router, Teacher
+from proctor.server.routing import Router
 from proctor.server.runtime import ServerOptions, ServerThread
+
+from slow_engine import slow_router
 
 
 class Reference:
@@ -37,41 +36,10 @@ class Reference:
         }
 
 
-class DelayEngine(TeacherEngine):
-    """The real torch engine, with `delay` seconds of (awaitable) latency before each batch:
-    a stand-in for a big teacher, so that deadlines and cancellation have time to act."""
-
-    def __init__(self, spec: EngineSpec, delay: float) -> None:
-        self.inner = TorchEngine(spec)
-        self.delay = delay
-        self.batches_started = 0
-
-    async def start(self) -> None:
-        await self.inner.start()
-
-    def describe(self):
-        return self.inner.describe()
-
-    def unembedding(self):
-        return self.inner.unembedding()
-
-    async def score(self, batch):
-        self.batches_started += 1
-        await asyncio.sleep(self.delay)
-        return await self.inner.score(batch)
-
-    @property
-    def forward_passes(self) -> int:
-        return self.inner.forward_passes
-
-
 def delayed_router(model_dir: Path, delay: float, name: str = "slow") -> Router:
-    spec = EngineSpec(name="torch", model_path=str(model_dir), max_topk=64)
-
-    async def build():
-        return DelayEngine(spec, delay)
-
-    return Router([Teacher(name, [Replica(f"{name}-0", build)])])
+    """The real torch engine with `delay` seconds before each batch: a stand-in for a big
+    teacher, so that deadlines and cancellation have time to act."""
+    return slow_router(model_dir, delay, name=name)[0]
 
 
 def free_port() -> int:
