@@ -31,6 +31,7 @@ from typing import Any, ClassVar, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from proctor.proto.loss_modes import HIDDEN_STATE_MODES, LOSS_MODES, TOPK_MODES
 from proctor.server.engines import EngineConfigError, EngineSpec
 from proctor.server.engines.checks import check_model_path
 from proctor.server.pool import PlacementError, PlacementPlan, ReplicaGroupPlan, TeacherDemand, plan_placement
@@ -130,7 +131,7 @@ class DistillationLossConfig(_Block):
         }
     )  # fmt: skip
 
-    loss_mode: str = "k3"
+    loss_mode: Literal[LOSS_MODES] = "k3"  # type: ignore[valid-type]
     topk: int | None = Field(32, ge=1)
     use_task_rewards: bool = True
     distillation_loss_coef: float = 1.0
@@ -144,15 +145,14 @@ class DistillationLossConfig(_Block):
     use_chunked_topk: bool = False
     chunked_topk_chunk_size: int = 4096
 
-    # The loss families are named in the client (`proctor.client.loss.settings`), which the server
-    # may not import; their naming convention is enough to know what the server must serve.
+    # The loss families live in proctor.proto, shared with the client's loss library.
     @property
     def needs_topk(self) -> bool:
-        return "topk" in self.loss_mode
+        return self.loss_mode in TOPK_MODES
 
     @property
     def needs_hidden_states(self) -> bool:
-        return self.loss_mode.startswith(("full_", "nitrobrew"))
+        return self.loss_mode in HIDDEN_STATE_MODES
 
 
 class DistillationConfig(_Block):

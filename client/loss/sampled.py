@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from . import _checks
+from proctor.proto.loss_modes import SAMPLED_MODES
 
-SAMPLED_MODES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+from . import _checks
 
 # verl clamps the k3 log-ratio and its result for numerical stability.
 K3_RATIO_CLAMP = 20.0

@@ -12,12 +12,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from .aggregate import AGG_MODES
-from .sampled import SAMPLED_MODES
+from proctor.proto.loss_modes import HIDDEN_STATE_MODES, LOSS_MODES, SAMPLED_MODES, TOPK_MODES
 
-TOPK_MODES = ("forward_kl_topk", "topk_reverse_kl", "topk_jsd")
-HIDDEN_STATE_MODES = ("nitrobrew", "nitrobrew_reverse_kl", "full_jsd")
-LOSS_MODES = SAMPLED_MODES + TOPK_MODES + HIDDEN_STATE_MODES
+from .aggregate import AGG_MODES
 
 # verl keys that configure its PPO machinery, not the per-token loss: accepted and unused.
 _VERL_KEYS_IGNORED = frozenset(
