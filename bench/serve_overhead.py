@@ -6,7 +6,11 @@ Prints, from one run on one machine (ratios; absolute times on a noisy machine m
   C  the same inputs through gRPC one at a time (serial single requests)
 and the ratios B/A (goal >= 0.9) and B/C (goal >= 3).
 
-    .venv/bin/python bench/serve_overhead.py [--requests 256] [--length 256] [--quick]
+    .venv/bin/python bench/serve_overhead.py [--workloads short,long] [--quick]
+
+Two workloads: short sequences on the tiny teacher, where a forward pass is mostly fixed
+overhead and batching pays most, and longer ones on a 4-layer teacher, where two CPU cores
+are already saturated by one sequence and batching has little left to win.
 """
 
 from __future__ import annotations
@@ -75,40 +79,53 @@ async def through_grpc(target: str, seqs: list[list[int]], topk: int, concurrenc
         return elapsed
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=int, default=256)
-    parser.add_argument("--length", type=int, default=256)
-    parser.add_argument("--topk", type=int, default=8)
-    parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=4096)
-    parser.add_argument("--quick", action="store_true", help="a small smoke run")
-    args = parser.parse_args()
-    if args.quick:
-        args.requests, args.length, args.hidden, args.layers, args.vocab = 48, 64, 64, 2, 512
+WORKLOADS = {
+    # name: (requests, tokens per request, hidden, layers, vocab)
+    "short": (512, 64, 64, 2, 512),
+    "long": (256, 256, 256, 4, 4096),
+}
+
+
+def run_workload(name: str, requests: int, length: int, hidden: int, layers: int, vocab: int, args) -> None:
     work = Path(tempfile.mkdtemp(prefix="proctor-bench-"))
-    model = make_tiny_model(work / "teacher", vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
-                            num_heads=4, num_kv_heads=2, intermediate_size=args.hidden * 2)
-    seqs = sequences(args.requests, args.length, args.vocab)
-    tokens = args.requests * args.length
-    server = SubprocessServer(["--model", str(model), "--max-model-len", str(args.length + 8), "--no-verbose"])
+    model = make_tiny_model(work / "teacher", vocab_size=vocab, hidden_size=hidden, num_layers=layers,
+                            num_heads=max(1, hidden // 32), num_kv_heads=1, intermediate_size=hidden * 2)
+    seqs = sequences(requests, length, vocab)
+    tokens = requests * length
+    server = SubprocessServer(["--model", str(model), "--max-model-len", str(length + 8), "--no-verbose"])
     try:
         batched = asyncio.run(through_grpc(server.grpc_target, seqs, args.topk, args.concurrency))
         serial = asyncio.run(through_grpc(server.grpc_target, seqs, args.topk, 1))
     finally:
         server.stop()
     direct = asyncio.run(in_process(model, seqs, args.topk, args.concurrency))
-    print(f"teacher: hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}; "
-          f"{args.requests} requests x {args.length} tokens, top-{args.topk}; torch threads {torch.get_num_threads()}")
+    print(f"\nworkload {name!r}: teacher hidden {hidden}, {layers} layers, vocab {vocab}; "
+          f"{requests} requests x {length} tokens, top-{args.topk}; torch threads {torch.get_num_threads()}")
     print(f"{'path':<44} {'seconds':>9} {'tokens/s':>10}")
-    for name, seconds in ((f"A in-process engine, batches of {args.concurrency}", direct),
-                          (f"B gRPC, {args.concurrency} concurrent clients", batched),
-                          ("C gRPC, serial single requests", serial)):
-        print(f"{name:<44} {seconds:>9.3f} {tokens / seconds:>10.0f}")
+    for label, seconds in ((f"A in-process engine, batches of {args.concurrency}", direct),
+                           (f"B gRPC, {args.concurrency} concurrent clients", batched),
+                           ("C gRPC, serial single requests", serial)):
+        print(f"{label:<44} {seconds:>9.3f} {tokens / seconds:>10.0f}")
     print(f"B / A throughput (service vs in-process; goal >= 0.9): {direct / batched:.2f}")
     print(f"B / C throughput (batched vs serial; goal >= 3):      {serial / batched:.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", default="short,long", help=f"comma-separated, of {', '.join(WORKLOADS)}")
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--quick", action="store_true", help="a small smoke run")
+    args = parser.parse_args()
+    import os
+
+    print(f"load average at start {os.getloadavg()[0]:.2f}")
+    for name in args.workloads.split(","):
+        requests, length, hidden, layers, vocab = WORKLOADS[name]
+        if args.quick:
+            requests, length = 48, 32
+        run_workload(name, requests, length, hidden, layers, vocab, args)
+    print(f"\nload average at end {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":
