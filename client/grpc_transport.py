@@ -72,8 +72,9 @@ class GrpcTransport(Transport):
         self._stub = scoring_pb2_grpc.TeacherScoringStub(self._channel)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
 
-    async def score(self, request, timeout):
-        call = self._stub.Score(request, timeout=timeout, metadata=self._metadata)
+    @staticmethod
+    async def _unary(call):
+        """Await a unary call: cancelling the wait cancels it on the server, errors become TeacherErrors."""
         try:
             return await call
         except asyncio.CancelledError:
@@ -81,6 +82,9 @@ class GrpcTransport(Transport):
             raise
         except grpc.aio.AioRpcError as exc:
             raise error_from_rpc(exc) from None
+
+    async def score(self, request, timeout):
+        return await self._unary(self._stub.Score(request, timeout=timeout, metadata=self._metadata))
 
     async def _stream(self, call) -> AsyncIterator:
         try:
@@ -99,14 +103,9 @@ class GrpcTransport(Transport):
         return self._stream(self._stub.ScoreStream(request, timeout=timeout, metadata=self._metadata))
 
     async def list_teachers(self, timeout):
-        call = self._stub.ListTeachers(scoring_pb2.TeachersRequest(), timeout=timeout, metadata=self._metadata)
-        try:
-            return await call
-        except asyncio.CancelledError:
-            call.cancel()
-            raise
-        except grpc.aio.AioRpcError as exc:
-            raise error_from_rpc(exc) from None
+        return await self._unary(
+            self._stub.ListTeachers(scoring_pb2.TeachersRequest(), timeout=timeout, metadata=self._metadata)
+        )
 
     def unembedding(self, teacher_key, timeout) -> AsyncIterator[scoring_pb2.TensorChunk]:
         request = scoring_pb2.UnembeddingRequest(teacher_key=teacher_key)

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from proctor.server.routing import Router
+from proctor.server.engines import EngineSpec, create_engine
+from proctor.server.routing import Replica, Router, Teacher
 from proctor.server.runtime import ServerOptions, ServerThread
 
 from slow_engine import slow_router
@@ -66,3 +67,17 @@ def request_count(server: ServerThread, outcome: str) -> float:
 
 def engine_of(server: ServerThread, teacher: str):
     return server.server.service.router.teachers[teacher].replicas[0].engine
+
+
+def two_teacher_router(math_dir: Path, geo_dir: Path) -> Router:
+    """math (routing key openai/gsm8k) and geo (key hiyouga/geometry3k), one torch replica each."""
+
+    def teacher(name: str, path: Path, key: str) -> Teacher:
+        spec = EngineSpec(name="torch", model_path=str(path))
+
+        async def build():
+            return create_engine(spec)
+
+        return Teacher(name, [Replica(f"{name}-0", build)], keys=(key,))
+
+    return Router([teacher("math", math_dir, "openai/gsm8k"), teacher("geo", geo_dir, "hiyouga/geometry3k")])

@@ -136,3 +136,13 @@ def scoring_server(request, tiny_model_dir) -> ServerUnderTest:
         return ServerUnderTest("torch", server.grpc_target, server.http_url, tiny_model_dir, 1e-5, server)
     server = request.getfixturevalue("vllm_server")
     return ServerUnderTest("vllm", server.grpc_target, server.http_url, tiny_model_dir, 1e-4)
+
+
+@pytest.fixture(scope="module")
+def two_teachers(tiny_model_dir, other_model_dir):
+    """A server with two teachers: math (the tiny teacher, key openai/gsm8k) and geo (key hiyouga/geometry3k)."""
+    from client_support import start_server, two_teacher_router
+
+    server = start_server(two_teacher_router(tiny_model_dir, other_model_dir))
+    yield server
+    server.stop()

@@ -9,29 +9,9 @@ import pytest
 import torch
 
 from proctor.client import TeacherClient
-from proctor.server.engines import EngineSpec, create_engine
-from proctor.server.routing import Replica, Router, Teacher
 from proctor.trainer_adapter.rollout import RolloutSample, RolloutScorer, RoutingError
 
-from client_support import Reference, request_count, start_server
-
-
-@pytest.fixture(scope="module")
-def two_teachers(tiny_model_dir, other_model_dir):
-    """math (keys openai/gsm8k) is the tiny teacher, geo (key hiyouga/geometry3k) the other one."""
-
-    def teacher(name, path, key):
-        spec = EngineSpec(name="torch", model_path=str(path))
-
-        async def build():
-            return create_engine(spec)
-
-        return Teacher(name, [Replica(f"{name}-0", build)], keys=(key,))
-
-    server = start_server(Router([teacher("math", tiny_model_dir, "openai/gsm8k"),
-                                  teacher("geo", other_model_dir, "hiyouga/geometry3k")]))
-    yield server
-    server.stop()
+from client_support import Reference, request_count
 
 
 def sample(i: int, source: str | None = "openai/gsm8k") -> RolloutSample:

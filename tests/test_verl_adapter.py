@@ -22,8 +22,6 @@ import torch
 
 from proctor.client import TeacherClient
 from proctor.client.batch import verl_teacher_batch
-from proctor.server.engines import EngineSpec, create_engine
-from proctor.server.routing import Replica, Router, Teacher
 from proctor.trainer_adapter.verl import (
     ProctorTeacherClient,
     ProctorTeacherModelManager,
@@ -33,7 +31,7 @@ from proctor.trainer_adapter.verl import (
     verl_teacher_keys,
 )
 
-from client_support import Reference, start_server
+from client_support import Reference
 
 teacher_manager = pytest.importorskip("verl.experimental.teacher_loop.teacher_manager")
 PAD = 0
@@ -42,22 +40,6 @@ PAD = 0
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir) -> Reference:
     return Reference(tiny_model_dir)
-
-
-@pytest.fixture(scope="module")
-def two_teachers(tiny_model_dir, other_model_dir):
-    def teacher(name, path, key):
-        spec = EngineSpec(name="torch", model_path=str(path))
-
-        async def build():
-            return create_engine(spec)
-
-        return Teacher(name, [Replica(f"{name}-0", build)], keys=(key,))
-
-    server = start_server(Router([teacher("math", tiny_model_dir, "openai/gsm8k"),
-                                  teacher("geo", other_model_dir, "hiyouga/geometry3k")]))
-    yield server
-    server.stop()
 
 
 def verl_config(target: str, teacher_models: dict, **proctor: Any) -> dict:
