@@ -105,13 +105,12 @@ class SubprocessServer:
 class ServerUnderTest:
     """What the engine-agnostic service tests need to know about a running server."""
 
-    def __init__(self, engine: str, grpc_target: str, http_url: str, model_dir: Path, atol: float, thread=None):
+    def __init__(self, engine: str, grpc_target: str, http_url: str, model_dir: Path, atol: float):
         self.engine = engine
         self.grpc_target = grpc_target
         self.http_url = http_url
         self.model_dir = model_dir
         self.atol = atol
-        self.thread = thread  # the in-process ServerThread, when there is one
 
 
 @pytest.fixture(scope="module")  # module: a vLLM server holds GiBs; never two alive at once
@@ -133,7 +132,7 @@ def scoring_server(request, tiny_model_dir) -> ServerUnderTest:
     """The same service tests run against each engine."""
     if request.param == "torch":
         server = request.getfixturevalue("torch_server")
-        return ServerUnderTest("torch", server.grpc_target, server.http_url, tiny_model_dir, 1e-5, server)
+        return ServerUnderTest("torch", server.grpc_target, server.http_url, tiny_model_dir, 1e-5)
     server = request.getfixturevalue("vllm_server")
     return ServerUnderTest("vllm", server.grpc_target, server.http_url, tiny_model_dir, 1e-4)
 

@@ -112,10 +112,10 @@ def test_concurrent_requests_are_exact(scoring_server, stub):
         _close(decode_tensor(reply.hidden_states), ref["hidden_states"], scoring_server.atol)
 
 
-def test_torch_engine_batches_concurrent_requests_into_fewer_passes(scoring_server, stub):
-    if scoring_server.thread is None:
-        pytest.skip("pass counting needs the in-process torch engine")
-    engine = scoring_server.thread.server.service.router.teachers["tiny"].replicas[0].engine
+def test_torch_engine_batches_concurrent_requests_into_fewer_passes(torch_server):
+    """Counted on the in-process torch engine (vLLM batches inside its own scheduler)."""
+    engine = torch_server.server.service.router.teachers["tiny"].replicas[0].engine
+    stub = scoring_pb2_grpc.TeacherScoringStub(grpc.insecure_channel(torch_server.grpc_target))
     before = engine.forward_passes
     with ThreadPoolExecutor(32) as pool:
         list(pool.map(lambda i: stub.Score(scoring_pb2.ScoreRequest(token_ids=_ids(64, i), logprobs=True)), range(64)))
