@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import sys
 import tempfile
@@ -86,6 +87,12 @@ WORKLOADS = {
 }
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process and its threads, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def run_workload(name: str, requests: int, length: int, hidden: int, layers: int, vocab: int, args) -> None:
     work = Path(tempfile.mkdtemp(prefix="proctor-bench-"))
     model = make_tiny_model(work / "teacher", vocab_size=vocab, hidden_size=hidden, num_layers=layers,
@@ -94,7 +101,9 @@ def run_workload(name: str, requests: int, length: int, hidden: int, layers: int
     tokens = requests * length
     server = SubprocessServer(["--model", str(model), "--max-model-len", str(length + 8), "--no-verbose"])
     try:
+        server_cpu, client_cpu = _cpu_seconds(server.proc.pid), time.process_time()
         batched = asyncio.run(through_grpc(server.grpc_target, seqs, args.topk, args.concurrency))
+        server_cpu, client_cpu = _cpu_seconds(server.proc.pid) - server_cpu, time.process_time() - client_cpu
         serial = asyncio.run(through_grpc(server.grpc_target, seqs, args.topk, 1))
     finally:
         server.stop()
@@ -107,6 +116,8 @@ def run_workload(name: str, requests: int, length: int, hidden: int, layers: int
                            ("C gRPC, serial single requests", serial)):
         print(f"{label:<44} {seconds:>9.3f} {tokens / seconds:>10.0f}")
     print(f"B / A throughput (service vs in-process; goal >= 0.9): {direct / batched:.2f}")
+    print(f"   CPU seconds during B: server {server_cpu:.2f}, benchmark client {client_cpu:.2f} "
+          f"(the client shares the machine's {os.cpu_count()} cores with the server)")
     print(f"B / C throughput (batched vs serial; goal >= 3):      {serial / batched:.2f}")
 
 
@@ -117,8 +128,6 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--quick", action="store_true", help="a small smoke run")
     args = parser.parse_args()
-    import os
-
     print(f"load average at start {os.getloadavg()[0]:.2f}")
     for name in args.workloads.split(","):
         requests, length, hidden, layers, vocab = WORKLOADS[name]
