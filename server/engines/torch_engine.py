@@ -143,32 +143,42 @@ class TorchEngine(TeacherEngine):
             self.forward_passes += 1
             body = model.get_decoder()
             hidden = body(input_ids=ids.to(device), attention_mask=mask.to(device)).last_hidden_state
-            return [self._rows(model, hidden[i], request) for i, request in enumerate(batch)]
+            # Position i-1 produces row i: each request's rows first_row..T-1.
+            states = [hidden[i, r.first_row - 1 : r.num_tokens - 1] for i, r in enumerate(batch)]
+            results = [EngineResult(first_row=r.first_row) for r in batch]
+            for result, request, rows in zip(results, batch, states, strict=True):
+                if request.hidden_states:
+                    result.hidden_states = rows.to("cpu").clone()
+            self._head_outputs(model, batch, states, results)
+            return results
 
-    def _rows(self, model, hidden: torch.Tensor, request: EngineRequest) -> EngineResult:
-        """Outputs for rows first_row..T-1 from the post-norm hidden states of one sequence."""
-        start, end = request.first_row - 1, request.num_tokens - 1
-        states = hidden[start:end]  # position i-1 produces row i
-        result = EngineResult(first_row=request.first_row)
-        if request.hidden_states:
-            result.hidden_states = states.to("cpu").clone()
-        if not (request.logprobs or request.topk):
-            return result
-        targets = request.token_ids[request.first_row :].to(states.device)
+    @staticmethod
+    def _head_outputs(model, batch: list[EngineRequest], states: list[torch.Tensor], results: list[EngineResult]) -> None:
+        """Log-probs and top-k for every request of the batch from one lm_head pass over all
+        their rows (in row chunks): a few large kernels instead of a few small ones per request."""
+        wanted = [i for i, r in enumerate(batch) if r.logprobs or r.topk]
+        if not wanted:
+            return
+        rows = torch.cat([states[i] for i in wanted])
+        targets = torch.cat([batch[i].token_ids[batch[i].first_row :] for i in wanted]).to(rows.device)
+        kmax = max(batch[i].topk for i in wanted)
         head = model.get_output_embeddings()
-        logprob_parts, id_parts, topk_parts = [], [], []
-        for lo in range(0, states.shape[0], _LOGIT_ROWS):
-            logits = head(states[lo : lo + _LOGIT_ROWS]).float()
-            logp = torch.log_softmax(logits, dim=-1)
-            if request.logprobs:
-                logprob_parts.append(logp.gather(1, targets[lo : lo + _LOGIT_ROWS, None]).squeeze(1))
-            if request.topk:
-                values, indices = torch.topk(logp, request.topk, dim=-1)
-                topk_parts.append(values)
+        logprob_parts, value_parts, id_parts = [], [], []
+        for lo in range(0, rows.shape[0], _LOGIT_ROWS):
+            logp = torch.log_softmax(head(rows[lo : lo + _LOGIT_ROWS]).float(), dim=-1)
+            logprob_parts.append(logp.gather(1, targets[lo : lo + _LOGIT_ROWS, None]).squeeze(1))
+            if kmax:
+                values, indices = torch.topk(logp, kmax, dim=-1)  # sorted: a request's top-k is a prefix
+                value_parts.append(values)
                 id_parts.append(indices.to(torch.int32))
-        if request.logprobs:
-            result.logprobs = torch.cat(logprob_parts).cpu()
-        if request.topk:
-            result.topk_logprobs = torch.cat(topk_parts).cpu()
-            result.topk_ids = torch.cat(id_parts).cpu()
-        return result
+        sizes = [states[i].shape[0] for i in wanted]
+        logprobs = torch.cat(logprob_parts).cpu().split(sizes)
+        values = torch.cat(value_parts).cpu().split(sizes) if kmax else [None] * len(wanted)
+        ids = torch.cat(id_parts).cpu().split(sizes) if kmax else [None] * len(wanted)
+        for index, lp, top_values, top_ids in zip(wanted, logprobs, values, ids, strict=True):
+            request, result = batch[index], results[index]
+            if request.logprobs:
+                result.logprobs = lp.clone()
+            if request.topk:
+                result.topk_logprobs = top_values[:, : request.topk].contiguous()
+                result.topk_ids = top_ids[:, : request.topk].contiguous()
