@@ -66,20 +66,20 @@ def test_per_token_loss_is_clamped_to_loss_max_clamp_both_ways():
     s, t = _sampled()
     s = torch.tensor([0.0, -20.0, -1.0], requires_grad=True)
     t = torch.tensor([-20.0, 0.0, -1.5])
-    out = distillation_loss({"loss_mode": "k1", "loss_max_clamp": 5.0}, student_logprobs=s, teacher_logprobs=t)
+    out = distillation_loss({"loss_mode": "k1", "use_policy_gradient": True, "loss_max_clamp": 5.0}, student_logprobs=s, teacher_logprobs=t)
     assert out.per_token_loss.tolist() == [5.0, -5.0, 0.5]
 
 
 def test_loss_range_metrics_are_taken_before_the_clamp():
     s = torch.tensor([0.0, -20.0, -1.0])
     t = torch.tensor([-20.0, 0.0, -1.5])
-    out = distillation_loss({"loss_mode": "k1", "loss_max_clamp": 5.0}, student_logprobs=s, teacher_logprobs=t)
+    out = distillation_loss({"loss_mode": "k1", "use_policy_gradient": True, "loss_max_clamp": 5.0}, student_logprobs=s, teacher_logprobs=t)
     assert out.metrics["loss_max"] == 20.0 and out.metrics["loss_min"] == -20.0
 
 
 def test_policy_gradient_mode_returns_detached_penalty_and_no_loss():
     s, t = _sampled()
-    out = distillation_loss({"loss_mode": "k1", "use_task_rewards": False}, student_logprobs=s, teacher_logprobs=t)
+    out = distillation_loss({"loss_mode": "k1", "use_policy_gradient": True, "use_task_rewards": False}, student_logprobs=s, teacher_logprobs=t)
     assert out.loss is None
     assert not out.advantage_penalty.requires_grad
     assert torch.allclose(out.advantage_penalty, sampled_kl(s, t, "k1").clamp(-10, 10))
@@ -118,8 +118,8 @@ def test_gkd_ratio_mixes_rl_and_distillation_losses():
 
 def test_pg_ratio_scales_the_advantage_penalty():
     s, t = _sampled()
-    plain = distillation_loss({"loss_mode": "k1"}, student_logprobs=s, teacher_logprobs=t)
-    scaled = distillation_loss({"loss_mode": "k1", "pg_ratio": 0.5}, student_logprobs=s, teacher_logprobs=t)
+    plain = distillation_loss({"loss_mode": "k1", "use_policy_gradient": True}, student_logprobs=s, teacher_logprobs=t)
+    scaled = distillation_loss({"loss_mode": "k1", "use_policy_gradient": True, "pg_ratio": 0.5}, student_logprobs=s, teacher_logprobs=t)
     assert torch.allclose(scaled.advantage_penalty, 0.5 * plain.advantage_penalty)
 
 
@@ -190,3 +190,11 @@ def test_missing_inputs_for_the_mode_raise_naming_them():
     with pytest.raises(ValueError, match="teacher_topk_ids"):
         distillation_loss({"loss_mode": "forward_kl_topk", "use_policy_gradient": False},
                           student_logits=torch.zeros(2, 5))
+
+
+def test_defaults_are_verls_yaml_defaults_as_the_server_assumes():
+    from proctor.client.loss import LossSettings
+
+    defaults = LossSettings.from_config({})
+    assert (defaults.loss_mode, defaults.topk, defaults.use_policy_gradient) == ("k3", 32, False)
+    assert defaults.loss_max_clamp is None and defaults.log_prob_min_clamp is None

@@ -33,15 +33,20 @@ _VERL_KEYS_IGNORED = frozenset(
 
 @dataclass(frozen=True)
 class LossSettings:
-    """Everything ``distillation_loss`` reads from the config; defaults are verl's."""
+    """Everything ``distillation_loss`` reads from the config.
+
+    Defaults are those of verl's `distillation.yaml` (what a verl run actually gets, and what
+    the server's config assumes), not of its dataclass (topk 128, clamps ±10, policy gradient on),
+    so that a partial config means the same thing on both sides of the wire.
+    """
 
     loss_mode: str = "k3"
-    topk: int | None = 128
+    topk: int | None = 32
     use_task_rewards: bool = True
     distillation_loss_coef: float = 1.0
-    loss_max_clamp: float | None = 10.0
-    log_prob_min_clamp: float | None = -10.0
-    use_policy_gradient: bool = True
+    loss_max_clamp: float | None = None
+    log_prob_min_clamp: float | None = None
+    use_policy_gradient: bool = False
     policy_loss_mode: str = "vanilla"
     # verl-omni
     kd_temperature: float = 1.0
