@@ -199,6 +199,9 @@ class ServerBlock(_Block):
     drain_grace_s: float = Field(30.0, ge=0)
     max_message_bytes: int = Field(64 << 20, ge=1 << 20)
     stream_chunk_bytes: int = Field(2 << 20, ge=1 << 10)
+    # Paths of the HTTP port that need no bearer token (probes and scrapers).
+    open_paths: list[str] = Field(default_factory=lambda: ["/health/live", "/health/ready", "/metrics"])
+    metrics_port: int | None = Field(None, ge=0, le=65535)
     device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
     routing_policy: Literal["least_outstanding", "round_robin"] = "least_outstanding"
     health_check_interval_s: float | None = Field(5.0, gt=0)
@@ -764,6 +767,8 @@ def server_options(plan: ServingPlan, *, host: str | None = None) -> ServerOptio
         tls_cert_file=s.tls.cert_file,
         tls_key_file=s.tls.key_file,
         tls_client_ca_file=s.tls.client_ca_file,
+        open_paths=tuple(s.open_paths),
+        metrics_port=s.metrics_port,
     )
 
 

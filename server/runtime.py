@@ -42,6 +42,8 @@ class ServerOptions:
     tls_key_file: str | None = None
     tls_client_ca_file: str | None = None
     open_paths: tuple[str, ...] = ("/health/live", "/health/ready", "/metrics")
+    # A second, plain-HTTP port serving only /metrics (for scrapers kept off the API port).
+    metrics_port: int | None = None
 
 
 def single_teacher_router(spec: EngineSpec, *, name: str = "default", replicas: int = 1) -> Router:
@@ -95,6 +97,8 @@ class ProctorServer:
         self.http = uvicorn.Server(config)
         self.http.install_signal_handlers = lambda: None  # we own the signals
         self._http_task: asyncio.Task | None = None
+        self._metrics_server = None
+        self.metrics_port: int | None = None
         self.stopped = asyncio.Event()
 
     @property
@@ -104,6 +108,13 @@ class ProctorServer:
     async def start(self) -> None:
         await self.grpc.start()
         self._http_task = asyncio.get_running_loop().create_task(self.http.serve(sockets=[self._http_socket]))
+        if self.options.metrics_port is not None:
+            from prometheus_client import start_http_server
+
+            self._metrics_server, _ = start_http_server(
+                self.options.metrics_port, addr=self.options.host, registry=self.service.metrics.registry
+            )
+            self.metrics_port = self._metrics_server.server_port
         await self.service.start()
         await self.grpc.set_serving(True)
         log.info("proctor serving: gRPC %s:%d, HTTP %s:%d", self.options.host, self.grpc_port,
@@ -125,6 +136,10 @@ class ProctorServer:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._http_task, timeout=10)
         await self.service.stop()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
+            self._metrics_server = None
         self.stopped.set()
 
     async def serve_forever(self) -> int:

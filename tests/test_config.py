@@ -238,7 +238,7 @@ def test_server_block_becomes_server_options(tmp_path, tiny_model_dir):
         "tls": {"cert_file": str(tmp_path / "cert.pem"), "key_file": str(tmp_path / "key.pem"),
                 "client_ca_file": str(tmp_path / "ca.pem")},
         "max_queue_requests": 7, "max_queue_tokens": 999, "drain_grace_s": 3, "max_message_bytes": 8 << 20,
-        "routing_policy": "round_robin",
+        "routing_policy": "round_robin", "open_paths": ["/health/live"], "metrics_port": 9100,
     }
     doc = cpu_config({"t": torch_teacher(tiny_model_dir)}, devices=1, server=server)
     router, options = load_server_config(write_config(tmp_path, doc), host="127.0.0.1")
@@ -247,6 +247,7 @@ def test_server_block_becomes_server_options(tmp_path, tiny_model_dir):
     assert (options.tls_cert_file, options.tls_client_ca_file) == (str(tmp_path / "cert.pem"), str(tmp_path / "ca.pem"))
     assert (options.limits.max_queue_requests, options.limits.max_queue_tokens) == (7, 999)
     assert (options.drain_grace_s, options.max_message_bytes) == (3, 8 << 20)
+    assert options.open_paths == ("/health/live",) and options.metrics_port == 9100
     teacher = router.route("")
     assert teacher.policy == "round_robin" and [r.replica_id for r in teacher.replicas] == ["t-0"]
 

@@ -53,3 +53,17 @@ def test_counts_after_known_traffic_are_exact(fresh_server):
     assert samples[("proctor:replica_healthy", (("replica", "tiny-0"), t))] == 1
     assert samples[("proctor:requests_waiting", (t,))] == 0
     assert samples[("proctor:requests_running", (t,))] == 0
+
+
+def test_metrics_can_also_be_served_on_their_own_port(tiny_model_dir):
+    from proctor.server.engines import EngineSpec
+    from proctor.server.runtime import ServerOptions, ServerThread, single_teacher_router
+
+    spec = EngineSpec(name="torch", model_path=str(tiny_model_dir))
+    options = ServerOptions(grpc_port=0, http_port=0, metrics_port=0)
+    with ServerThread(single_teacher_router(spec, name="tiny"), options) as server:
+        httpx.post(server.http_url + "/v1/score", json={"token_ids": [1, 2, 3]})
+        text = httpx.get(f"http://127.0.0.1:{server.server.metrics_port}/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    (ok,) = [s for s in families["proctor:requests"].samples if s.labels.get("outcome") == "ok"]
+    assert ok.value == 1
