@@ -29,7 +29,9 @@ ARG ASCEND_BASE_IMAGE=quay.io/ascend/vllm-omni:v0.18.0-a3
 # --------------------------------------------------------------------------------------------
 FROM ${PYTHON_IMAGE} AS cpu-build
 ARG TORCH_VERSION=2.13.0
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# The index that serves PyTorch's CPU-only wheels (PyTorch's own "whl/cpu" index); give it with
+# --build-arg TORCH_INDEX_URL=... (required: a plain `torch` from the default index is the CUDA build).
+ARG TORCH_INDEX_URL=""
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONDONTWRITEBYTECODE=1
@@ -37,6 +39,7 @@ RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 # Same two steps as scripts/install.sh and CI: the CPU torch first (a plain `torch` would pull
 # the multi-GB CUDA build), then the server extra, which then finds torch already satisfied.
+RUN test -n "${TORCH_INDEX_URL}" || { echo "pass --build-arg TORCH_INDEX_URL=<PyTorch CPU wheel index>" >&2; exit 1; }
 RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 WORKDIR /src
 COPY . /src

@@ -685,7 +685,9 @@ def test_dockerfile_cpu_target_installs_like_ci():
         1
     )
     assert torch_version == "2.13.0"
-    assert "/whl/cpu" in stage_args.get("TORCH_INDEX_URL", runs[torch_step])
+    # The CPU wheel index comes in as a build argument (no registry host is written into the repo).
+    assert "TORCH_INDEX_URL" in stage_args and "--index-url" in runs[torch_step]
+    assert "TORCH_INDEX_URL" in runs[torch_step]
     install_sh = ROOT / "scripts" / "install.sh"
     if install_sh.exists():
         pinned = set(re.findall(r"torch==([\w.]+)", install_sh.read_text()))
