@@ -58,6 +58,11 @@ def serve(
     max_queue_requests: int = typer.Option(1024, help="Requests admitted per teacher (running + waiting) before 429s."),
     max_queue_tokens: int = typer.Option(8_000_000, help="Tokens admitted per teacher before 429s."),
     verbose: bool = typer.Option(True, help="Log at INFO."),
+    switch_interval_ms: float = typer.Option(
+        0.5,
+        help="Python's GIL switch interval. The event loop and the engine thread share the GIL; "
+        "Python's 5 ms default leaves requests waiting behind the engine's Python (bench/serve_overhead.py).",
+    ),
 ) -> None:
     """Serve a teacher over gRPC and HTTP until SIGTERM (then drain and exit 0)."""
     from proctor.server.auth import load_token
@@ -89,6 +94,7 @@ def serve(
                                 limits=Limits(max_queue_requests=max_queue_requests, max_queue_tokens=max_queue_tokens))
 
     async def main() -> int:
+        sys.setswitchinterval(switch_interval_ms / 1000)
         server = ProctorServer(router, options)
         print(f"proctor: gRPC on {options.host}:{server.grpc_port}, HTTP on {options.host}:{server.http_port}", flush=True)
         return await server.serve_forever()
