@@ -31,7 +31,7 @@ from typing import Any, ClassVar, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from proctor.proto.loss_modes import HIDDEN_STATE_MODES, LOSS_MODES, TOPK_MODES
+from proctor.proto.loss_modes import HIDDEN_STATE_MODES, LOSS_MODES, TOPK_MODES, VERL_LOSS_DEFAULTS
 from proctor.server.engines import EngineConfigError, EngineSpec
 from proctor.server.engines.checks import check_model_path
 from proctor.server.pool import PlacementError, PlacementPlan, ReplicaGroupPlan, TeacherDemand, plan_placement
@@ -131,14 +131,14 @@ class DistillationLossConfig(_Block):
         }
     )  # fmt: skip
 
-    loss_mode: Literal[LOSS_MODES] = "k3"  # type: ignore[valid-type]
-    topk: int | None = Field(32, ge=1)
-    use_task_rewards: bool = True
-    distillation_loss_coef: float = 1.0
-    loss_max_clamp: float | None = None
-    log_prob_min_clamp: float | None = None
-    use_policy_gradient: bool = False
-    policy_loss_mode: str = "vanilla"
+    loss_mode: Literal[LOSS_MODES] = VERL_LOSS_DEFAULTS["loss_mode"]  # type: ignore[valid-type]
+    topk: int | None = Field(VERL_LOSS_DEFAULTS["topk"], ge=1)
+    use_task_rewards: bool = VERL_LOSS_DEFAULTS["use_task_rewards"]
+    distillation_loss_coef: float = VERL_LOSS_DEFAULTS["distillation_loss_coef"]
+    loss_max_clamp: float | None = VERL_LOSS_DEFAULTS["loss_max_clamp"]
+    log_prob_min_clamp: float | None = VERL_LOSS_DEFAULTS["log_prob_min_clamp"]
+    use_policy_gradient: bool = VERL_LOSS_DEFAULTS["use_policy_gradient"]
+    policy_loss_mode: str = VERL_LOSS_DEFAULTS["policy_loss_mode"]
     clip_ratio: float = 0.2
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2

@@ -12,7 +12,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from proctor.proto.loss_modes import HIDDEN_STATE_MODES, LOSS_MODES, SAMPLED_MODES, TOPK_MODES
+from proctor.proto.loss_modes import (
+    HIDDEN_STATE_MODES,
+    LOSS_MODES,
+    SAMPLED_MODES,
+    TOPK_MODES,
+    VERL_LOSS_DEFAULTS,
+)
 
 from .aggregate import AGG_MODES
 
@@ -40,14 +46,14 @@ class LossSettings:
     so that a partial config means the same thing on both sides of the wire.
     """
 
-    loss_mode: str = "k3"
-    topk: int | None = 32
-    use_task_rewards: bool = True
-    distillation_loss_coef: float = 1.0
-    loss_max_clamp: float | None = None
-    log_prob_min_clamp: float | None = None
-    use_policy_gradient: bool = False
-    policy_loss_mode: str = "vanilla"
+    loss_mode: str = VERL_LOSS_DEFAULTS["loss_mode"]
+    topk: int | None = VERL_LOSS_DEFAULTS["topk"]
+    use_task_rewards: bool = VERL_LOSS_DEFAULTS["use_task_rewards"]
+    distillation_loss_coef: float = VERL_LOSS_DEFAULTS["distillation_loss_coef"]
+    loss_max_clamp: float | None = VERL_LOSS_DEFAULTS["loss_max_clamp"]
+    log_prob_min_clamp: float | None = VERL_LOSS_DEFAULTS["log_prob_min_clamp"]
+    use_policy_gradient: bool = VERL_LOSS_DEFAULTS["use_policy_gradient"]
+    policy_loss_mode: str = VERL_LOSS_DEFAULTS["policy_loss_mode"]
     # verl-omni
     kd_temperature: float = 1.0
     # proctor
