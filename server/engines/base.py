@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Union
 
 import torch
 
@@ -28,12 +28,19 @@ class MediaItem:
 
 @dataclass(frozen=True)
 class MultiModalInputs:
-    """Media attached to a sequence; engines that take none refuse a non-empty one."""
+    """Media attached to a sequence; engines that take none refuse a non-empty one.
+
+    `decoded` is filled by the service before admission (`proctor.server.media.decode_media`,
+    off the event loop, with size and frame limits): vLLM's `multi_modal_data` form
+    (`{"image": [PIL.Image, ...], "audio": [(waveform, rate), ...], "video": [...]}`), so an
+    undecodable item is refused before it reaches a replica and no engine decodes bytes itself.
+    """
 
     images: tuple[MediaItem, ...] = ()
     videos: tuple[MediaItem, ...] = ()
     audios: tuple[MediaItem, ...] = ()
     processor_kwargs: dict[str, Any] = field(default_factory=dict)
+    decoded: dict[str, list[Any]] | None = field(default=None, compare=False, repr=False)
 
     def __bool__(self) -> bool:
         return bool(self.images or self.videos or self.audios)
@@ -91,10 +98,48 @@ class EngineInfo:
     dtype: str
     outputs: tuple[str, ...] = ("logprobs", "topk", "hidden_states", "unembedding")
     media: tuple[str, ...] = ()
+    # Longest sequence the engine scores. vLLM needs one slot beyond the prompt for the output
+    # token of its `max_tokens=1` prefill, so there it is max_model_len - 1; None: max_model_len.
+    max_tokens: int | None = None
+
+    @property
+    def max_sequence_tokens(self) -> int:
+        return self.max_model_len if self.max_tokens is None else self.max_tokens
+
+
+# --------------------------------------------------------------------------------------------
+# The error taxonomy: a request's fault or the replica's
+# --------------------------------------------------------------------------------------------
 
 
 class EngineError(RuntimeError):
-    """The engine failed on a batch; the service may retry it on another replica."""
+    """A *replica* error: the engine failed on good input (its process died, it raised on a
+    request that passed validation, it stopped answering). The replica is marked failed and
+    restarted; the request is retried on another replica."""
+
+
+class RequestRejected(Exception):
+    """A *request* error found inside an engine: this one request cannot be scored (media the
+    processor rejects, too long for the engine, placeholders that do not match the media).
+
+    It becomes INVALID_ARGUMENT / 422 naming `field` for that request only; it never marks the
+    replica, and the other requests of the batch are scored as usual. Engines return it in
+    place of that request's `EngineResult` (see `TeacherEngine.score`).
+    """
+
+    def __init__(self, field: str, message: str, *, request_id: str = "") -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = f"{field}: {message}"
+        self.request_id = request_id
+
+
+class RequestAborted(Exception):
+    """The request was aborted inside the engine (its caller cancelled or its deadline passed)."""
+
+
+# What an engine answers for one request of a batch.
+Outcome = Union["EngineResult", RequestRejected, RequestAborted]
 
 
 class TeacherEngine(abc.ABC):
@@ -105,8 +150,19 @@ class TeacherEngine(abc.ABC):
         """Static facts about the loaded teacher."""
 
     @abc.abstractmethod
-    async def score(self, batch: list[EngineRequest]) -> list[EngineResult]:
-        """Score every request of the batch; results in the same order."""
+    async def score(self, batch: list[EngineRequest]) -> list[Outcome]:
+        """Score every request of the batch; one outcome per request, in the same order.
+
+        An outcome is the request's `EngineResult`, or a `RequestRejected` (that request's
+        input is at fault) or `RequestAborted` (it was aborted through `abort`). Raising means
+        the whole batch failed: `EngineError` (or any other exception) is a replica error.
+        """
+
+    async def abort(self, request_ids: list[str]) -> None:  # noqa: B027  (optional hook)
+        """Stop computing these requests (their callers gave up); their outcomes become
+        `RequestAborted`. Engines that cannot stop a running batch (the torch engine's one
+        padded forward pass) do nothing: a request cancelled before its batch starts is
+        never computed anyway (the batcher drops it)."""
 
     @abc.abstractmethod
     def unembedding(self) -> torch.Tensor:
@@ -142,5 +198,12 @@ class EngineSpec:
     dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
     max_topk: int = 64
     inference: dict[str, Any] = field(default_factory=dict)
-    # Devices the replica may use (ids as strings); the pool sets *_VISIBLE_DEVICES from them.
+    # Devices the replica may use (ids as strings); its engine processes get *_VISIBLE_DEVICES
+    # from them through their own environment (`engine_environment`), never `os.environ`.
     devices: tuple[str, ...] = ()
+    # Whether the teacher serves hidden states, decided once by the serving plan.
+    hidden_states: bool = True
+    # Seconds a replica may take to start before it fails with its engine's log tail.
+    startup_timeout_s: float = 1800.0
+    # A Ray placement group reserved for a replica that spans nodes (vLLM's Ray executor runs on it).
+    placement_group: Any = field(default=None, compare=False)
