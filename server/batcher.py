@@ -4,7 +4,12 @@ Requests that arrive while the engine is busy wait in a queue; when the engine i
 batcher takes as many as fit the engine's token budget and scores them in one call. Under
 load this turns many small requests into few large forward passes; when idle, a lone
 request goes straight through (no timer to wait for). A request cancelled while waiting is
-dropped before it costs any compute.
+dropped before it costs any compute; one cancelled while its batch runs is aborted in the
+engine (`TeacherEngine.abort`), so a caller that gives up (or whose deadline passes) stops
+costing compute there too.
+
+The engine answers one outcome per request: a result, or an exception for that request alone
+(a request error, an abort, or a replica error that hit it); each caller gets its own.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from proctor.server.engines.base import EngineRequest, EngineResult, TeacherEngine
+from proctor.server.engines.base import EngineError, EngineRequest, EngineResult, TeacherEngine
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +43,8 @@ class Batcher:
         self._task: asyncio.Task | None = None
         self.batches = 0
         self.running_requests = 0
+        self._running: set[str] = set()  # keys of the requests in the batch being scored
+        self.aborts_sent = 0
 
     def start(self) -> None:
         if self._task is None:
@@ -69,7 +76,14 @@ class Batcher:
         except asyncio.CancelledError:
             if not pending.future.done():
                 pending.future.cancel()
+            if request.key in self._running:
+                self._abort(request.key)
             raise
+
+    def _abort(self, key: str) -> None:
+        self.aborts_sent += 1
+        task = asyncio.get_running_loop().create_task(self.engine.abort([key]))
+        task.add_done_callback(_log_abort_failure)
 
     def _take_batch(self) -> list[_Pending]:
         budget = self.engine.token_budget()
@@ -99,9 +113,12 @@ class Batcher:
                 continue
             self.batches += 1
             self.running_requests = len(batch)
+            self._running = {p.request.key for p in batch}
             started = time.monotonic()
             try:
                 results = await self.engine.score([p.request for p in batch])
+                if len(results) != len(batch):
+                    raise EngineError(f"engine answered {len(results)} outcomes for a batch of {len(batch)}")
             except asyncio.CancelledError:
                 for pending in batch:
                     if not pending.future.done():
@@ -114,10 +131,20 @@ class Batcher:
                         pending.future.set_exception(exc)
             else:
                 engine_seconds = time.monotonic() - started
-                for pending, result in zip(batch, results, strict=True):
-                    result.queue_seconds = started - pending.queued_at
-                    result.engine_seconds = engine_seconds
-                    if not pending.future.done():
-                        pending.future.set_result(result)
+                for pending, outcome in zip(batch, results, strict=True):
+                    if pending.future.done():
+                        continue
+                    if isinstance(outcome, BaseException):
+                        pending.future.set_exception(outcome)
+                        continue
+                    outcome.queue_seconds = started - pending.queued_at
+                    outcome.engine_seconds = engine_seconds
+                    pending.future.set_result(outcome)
             finally:
                 self.running_requests = 0
+                self._running = set()
+
+
+def _log_abort_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("engine abort failed: %s", task.exception())

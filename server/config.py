@@ -93,13 +93,18 @@ class InferenceConfig(_Block):
     tensor_model_parallel_size: int = Field(2, ge=1)
     data_parallel_size: int = Field(1, ge=1)
     pipeline_model_parallel_size: int = Field(1, ge=1)
-    gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
+    # None: verl's 0.5 on accelerators; on CPU the engine's own default (see vllm_common).
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
     max_model_len: int | None = Field(None, ge=2)
     prompt_length: int = Field(512, ge=1)
     response_length: int = Field(512, ge=1)
     max_num_batched_tokens: int = Field(8192, ge=1)
     enable_chunked_prefill: bool = True
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
+    # proctor's: whether the teacher serves hidden states (None: when the loss needs them, or
+    # lazily on first use for a vLLM teacher), and how long a replica may take to start.
+    hidden_states: bool | None = None
+    startup_timeout_s: float = Field(1800.0, gt=0)
 
     @property
     def per_replica(self) -> int:
@@ -444,12 +449,18 @@ def _engine_problems(
     inf = teacher.inference
     lengths = (inf.prompt_length, inf.response_length)
     calls: list[Callable[[], object]] = [lambda: checks.check_engine_name(engine)]
+    if loss.needs_hidden_states and inf.hidden_states is False:
+        calls.append(lambda: checks.refuse(
+            f"inference.hidden_states is false, but distillation_loss.loss_mode {loss.loss_mode} needs the "
+            "teacher's hidden states: remove the setting or choose a loss that does not"))
     if inf.max_model_len is not None:
         calls.append(lambda: checks.check_max_model_len(inf.max_model_len, *lengths))
     if engine in ("vllm", "vllm_omni"):
         topk = loss.topk if loss.needs_topk and loss.topk else 0
         calls.append(lambda: checks.check_max_logprobs(max_topk, topk, engine=engine))
-        if loss.needs_hidden_states:
+        # vLLM-Omni serves hidden states from its one AR engine; vLLM from a pooling engine that
+        # always runs without chunked prefill and with whole sequences, whatever is set.
+        if loss.needs_hidden_states and engine == "vllm_omni":
             calls.append(lambda: checks.check_hidden_states_prefill(inf.enable_chunked_prefill))
             calls.append(lambda: checks.check_batched_tokens(inf.max_num_batched_tokens, *lengths))
     problems = []
@@ -459,6 +470,19 @@ def _engine_problems(
         except EngineConfigError as exc:
             problems.append(f"distillation.teacher_models.{name}.{exc}")
     return problems
+
+
+VERL_GPU_MEMORY_UTILIZATION = 0.5  # verl's rollout default, what a verl run gives its teachers
+
+
+def serves_hidden_states(engine: str, inference: InferenceConfig, loss: DistillationLossConfig) -> bool:
+    """The one hidden-state decision: `inference.hidden_states` as set; else on where unused
+    hidden states cost nothing (torch; vLLM starts its pooling engine on the first request that
+    asks), and for vLLM-Omni (whose AR runner copies them out on every request) only when the
+    loss needs them."""
+    if inference.hidden_states is not None:
+        return inference.hidden_states
+    return engine != "vllm_omni" or loss.needs_hidden_states
 
 
 def _engine_name(inference: InferenceConfig, device_kind: str) -> str:
@@ -508,9 +532,11 @@ def _teachers(config: ProctorConfig, device_kind: str, problems: list[str], note
         engine = _engine_name(teacher.inference, device_kind)
         max_topk = _max_topk(engine, teacher.inference, d.distillation_loss)
         problems.extend(_engine_problems(name, engine, teacher, d.distillation_loss, max_topk))
-        inference = teacher.inference.model_dump(exclude={"name", "dtype"})
+        inference = teacher.inference.model_dump(exclude={"name", "dtype", "hidden_states", "startup_timeout_s"})
         inference.update(teacher.inference.model_extra or {})
         inference.pop("_target_", None)
+        if inference.get("gpu_memory_utilization") is None and device_kind != "cpu":
+            inference["gpu_memory_utilization"] = VERL_GPU_MEMORY_UTILIZATION
         resolved[name] = ResolvedTeacher(
             name=name,
             key=key,
@@ -521,6 +547,8 @@ def _teachers(config: ProctorConfig, device_kind: str, problems: list[str], note
                 dtype=teacher.inference.dtype or "auto",
                 max_topk=max_topk,
                 inference=inference,
+                hidden_states=serves_hidden_states(engine, teacher.inference, d.distillation_loss),
+                startup_timeout_s=teacher.inference.startup_timeout_s,
             ),
             per_replica=teacher.inference.per_replica,
         )
@@ -680,7 +708,7 @@ def _replica_spec(spec: EngineSpec, group: ReplicaGroupPlan, kind: str, *, in_pr
 
 def build_router(plan: ServingPlan) -> Router:
     """Teachers with their replicas (in-process engines, swap groups or Ray actors) behind a Router."""
-    from proctor.server.engines import create_engine
+    from proctor.server.engines import create_replica_engine
     from proctor.server.routing import Replica, RestartPolicy, Router, Teacher
     from proctor.server.swap import SwapGroup, SwappedTeacherEngine
 
@@ -701,9 +729,9 @@ def build_router(plan: ServingPlan) -> Router:
                 group.group_id, specs, max_consecutive_batches=server.swap_max_consecutive_batches
             )
 
-    def in_process(spec: EngineSpec) -> Callable:
+    def in_process(spec: EngineSpec, replica_id: str) -> Callable:
         async def build():
-            return create_engine(spec)
+            return create_replica_engine(spec, name=replica_id)
 
         return build
 
@@ -726,8 +754,8 @@ def build_router(plan: ServingPlan) -> Router:
                 )
                 replica_id = group.group_id
             else:
-                factory = in_process(_replica_spec(resolved.spec, group, plan.device_kind, in_process=True))
                 replica_id = group.group_id
+                factory = in_process(_replica_spec(resolved.spec, group, plan.device_kind, in_process=True), replica_id)
             replicas.append(
                 Replica(replica_id, factory, devices=tuple(map(str, group.local_devices)), node=f"node{group.node}")
             )

@@ -14,7 +14,13 @@
   (sample rate from the processor kwargs' `sampling_rate`, else 16 kHz).
 
 Bad input raises ValueError naming the field (`images[1]: ...`), which the service reports as
-INVALID_ARGUMENT.
+INVALID_ARGUMENT. `decode_media` is what the service calls, before admission and off the event
+loop: it decodes every item once under `MediaLimits` (bytes per item, items per request, image
+pixels, video frames, audio seconds), so an undecodable or oversized item never reaches a
+replica and engines receive `MultiModalInputs.decoded` instead of bytes.
+
+A media type may carry parameters: `application/x-npy; rate=24000` gives a decoded waveform
+its sample rate (what verl's `(waveform, rate)` audio items become on the wire).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import os
 import tempfile
 import wave
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -37,8 +44,37 @@ DEFAULT_SAMPLE_RATE = 16000
 MM_KEYS = {"images": "image", "audios": "audio", "videos": "video"}
 
 
+@dataclass(frozen=True)
+class MediaLimits:
+    """Bounds on one request's media, checked while decoding (before a replica sees it)."""
+
+    max_item_bytes: int = 64 << 20
+    max_items: int = 64
+    max_image_pixels: int = 64_000_000  # about 8000 x 8000
+    max_video_frames: int = 2048
+    max_audio_seconds: float = 3600.0
+
+
 def _base_type(media_type: str) -> str:
     return media_type.split(";", 1)[0].strip().lower()
+
+
+def media_type_param(media_type: str, name: str) -> str | None:
+    """A parameter of a media type (`rate` of `application/x-npy; rate=16000`), or None."""
+    for part in media_type.split(";")[1:]:
+        key, sep, value = part.partition("=")
+        if sep and key.strip().lower() == name:
+            return value.strip().strip('"')
+    return None
+
+
+def _sample_rate(item: MediaItem, field: str, fallback: int | None) -> int:
+    given = media_type_param(item.media_type, "rate")
+    if given is None:
+        return int(fallback or DEFAULT_SAMPLE_RATE)
+    if not given.isdigit() or not 0 < int(given) <= 1_000_000:
+        raise ValueError(f"{field}: media type parameter rate={given!r} is not a sample rate in Hz")
+    return int(given)
 
 
 def _load_npy(data: bytes, field: str) -> np.ndarray:
@@ -54,6 +90,8 @@ def decode_image(item: MediaItem, field: str = "images[0]"):
         from PIL import Image
 
         array = _load_npy(item.data, field)
+        if not np.issubdtype(array.dtype, np.number):
+            raise ValueError(f"{field}: an image array must be numeric, got dtype {array.dtype}")
         if array.ndim not in (2, 3):
             raise ValueError(f"{field}: an image array must be [H, W] or [H, W, C], got shape {array.shape}")
         try:
@@ -67,7 +105,7 @@ def decode_image(item: MediaItem, field: str = "images[0]"):
     try:
         image = Image.open(io.BytesIO(item.data))
         image.load()
-    except (UnidentifiedImageError, OSError, ValueError) as exc:
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
         raise ValueError(f"{field}: cannot decode {item.media_type} bytes ({exc})") from exc
     return image.convert("RGB") if image.mode != "RGB" else image
 
@@ -105,7 +143,9 @@ def decode_audio(item: MediaItem, field: str = "audios[0]", sample_rate: int | N
         array = _load_npy(item.data, field)
         if array.ndim != 1:
             raise ValueError(f"{field}: an audio array must be 1-D (mono samples), got shape {array.shape}")
-        return array.astype(np.float32), int(sample_rate or DEFAULT_SAMPLE_RATE)
+        if not np.issubdtype(array.dtype, np.number):
+            raise ValueError(f"{field}: an audio array must be numeric, got dtype {array.dtype}")
+        return array.astype(np.float32), _sample_rate(item, field, sample_rate)
     if kind in WAV_TYPES:
         try:
             return _read_wav(item.data, field)
@@ -144,6 +184,8 @@ def decode_video(item: MediaItem, field: str = "videos[0]"):
         array = _load_npy(item.data, field)
         if array.ndim != 4:
             raise ValueError(f"{field}: video frames must be [T, H, W, C], got shape {array.shape}")
+        if not np.issubdtype(array.dtype, np.number):
+            raise ValueError(f"{field}: video frames must be numeric, got dtype {array.dtype}")
         return array
     if not kind.startswith("video/"):
         raise ValueError(f"{field}: media type {item.media_type!r} is not a video type (video/mp4, ...)")
@@ -207,3 +249,67 @@ def multi_modal_data(media: MultiModalInputs | None) -> dict[str, Any]:
                 decoded.append(decoders[field](item, name))
         out[MM_KEYS[field]] = decoded
     return out
+
+
+def _check_decoded(kind: str, value: Any, field: str, limits: MediaLimits) -> None:
+    """Refuse a decoded item past the limits (pixels, frames, seconds)."""
+    if kind == "images":
+        width, height = value.size
+        if width * height > limits.max_image_pixels:
+            raise ValueError(f"{field}: {width}x{height} pixels exceed the limit of {limits.max_image_pixels}")
+        if width == 0 or height == 0:
+            raise ValueError(f"{field}: the image is empty ({width}x{height})")
+    elif kind == "videos":
+        frames = value[0] if isinstance(value, tuple) else value
+        if frames.shape[0] > limits.max_video_frames:
+            raise ValueError(f"{field}: {frames.shape[0]} frames exceed the limit of {limits.max_video_frames}")
+        if 0 in frames.shape:
+            raise ValueError(f"{field}: the video is empty (frames of shape {tuple(frames.shape)})")
+    else:
+        samples, rate = value
+        if samples.size == 0:
+            raise ValueError(f"{field}: the audio clip is empty")
+        if samples.size / rate > limits.max_audio_seconds:
+            raise ValueError(
+                f"{field}: {samples.size / rate:.0f} s of audio exceed the limit of {limits.max_audio_seconds:.0f} s"
+            )
+        if not np.isfinite(samples).all():
+            raise ValueError(f"{field}: the audio clip holds NaN or infinite samples")
+
+
+def decode_media(media: MultiModalInputs, limits: MediaLimits | None = None) -> MultiModalInputs:
+    """`media` with `decoded` filled (vLLM's multi_modal_data form), every item checked.
+
+    Raises ValueError naming the item (`images[1]: ...`). An image's pixel count is checked
+    from its header before its pixels load, so a decompression bomb costs nothing.
+    """
+    limits = limits or MediaLimits()
+    count = len(media.images) + len(media.videos) + len(media.audios)
+    if count > limits.max_items:
+        raise ValueError(f"{media.kinds()[0]}: {count} media items exceed the limit of {limits.max_items}")
+    for kind in ("images", "videos", "audios"):
+        for index, item in enumerate(getattr(media, kind)):
+            if len(item.data) > limits.max_item_bytes:
+                raise ValueError(
+                    f"{kind}[{index}]: {len(item.data)} bytes exceed the limit of {limits.max_item_bytes}"
+                )
+            if kind == "images" and _base_type(item.media_type) not in NPY_TYPES:
+                _check_image_header(item, f"{kind}[{index}]", limits)
+    decoded = multi_modal_data(media)
+    for kind, key in MM_KEYS.items():
+        for index, value in enumerate(decoded.get(key, ())):
+            _check_decoded(kind, value, f"{kind}[{index}]", limits)
+    return replace(media, decoded=decoded)
+
+
+def _check_image_header(item: MediaItem, field: str, limits: MediaLimits) -> None:
+    """The pixel count from the image header, before decoding a possible decompression bomb."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(item.data)) as image:
+            width, height = image.size
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise ValueError(f"{field}: cannot decode {item.media_type} bytes ({exc})") from exc
+    if width * height > limits.max_image_pixels:
+        raise ValueError(f"{field}: {width}x{height} pixels exceed the limit of {limits.max_image_pixels}")

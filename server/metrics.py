@@ -38,6 +38,12 @@ class Metrics:
                              ["teacher"], registry=r)
         self.replica_healthy = Gauge("proctor:replica_healthy", "1 when the replica is in rotation.",
                                      ["teacher", "replica"], registry=r)
+        self.replica_failures = Counter("proctor:replica_failures", "Times a replica was taken out of rotation.",
+                                        ["teacher", "replica"], registry=r)
+        self.replica_restarts = Counter("proctor:replica_restarts", "Times a failed replica was restarted.",
+                                        ["teacher", "replica"], registry=r)
+        self.replica_scored = Counter("proctor:replica_scored_requests", "Results delivered by each replica.",
+                                      ["teacher", "replica"], registry=r)
         self.teacher_swaps = Counter("proctor:teacher_swaps", "Teacher weights swapped onto devices.",
                                      ["teacher"], registry=r)
 

@@ -1,5 +1,8 @@
 """Routing: a key picks a teacher, the teacher picks a replica by least outstanding work.
 
+Two kinds of error (`server/engines/base.py`): a request error (`RequestRejected`: bad media,
+too long for the engine, a processor's refusal) is that request's INVALID_ARGUMENT and never
+touches the replica; anything else an engine raises on a validated request is a replica error.
 Scoring is idempotent, so a request whose replica fails is simply scored again on another
 one; the failed replica leaves the rotation, is restarted with exponential backoff in the
 background, and rejoins once it has started and passed its health check. A teacher with no
@@ -24,7 +27,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from proctor.server.batcher import Batcher
-from proctor.server.engines.base import EngineInfo, EngineRequest, EngineResult, TeacherEngine
+from proctor.server.engines.base import (
+    EngineInfo,
+    EngineRequest,
+    EngineResult,
+    RequestAborted,
+    RequestRejected,
+    TeacherEngine,
+)
 from proctor.server.errors import Code, ScoringError
 
 log = logging.getLogger(__name__)
@@ -64,7 +74,7 @@ class Replica:
     batcher: Batcher | None = None
     state: ReplicaState = ReplicaState.LOADING
     outstanding_tokens: int = 0
-    served: int = 0
+    served: int = 0  # results this replica delivered (a request computed twice would show here)
     failures: int = 0
     restarts: int = 0
     _restart_task: asyncio.Task | None = field(default=None, repr=False)
@@ -239,6 +249,10 @@ class Teacher:
                 return await replica.score(request)
             except (asyncio.CancelledError, ScoringError):
                 raise
+            except RequestRejected as exc:  # the request's fault: the replica stays in rotation
+                raise ScoringError(Code.INVALID_ARGUMENT, exc.message, field=exc.field) from None
+            except RequestAborted as exc:
+                raise ScoringError(Code.CANCELLED, f"aborted in the engine: {exc}") from None
             except ReplicaLost as exc:  # taken down under us: not its fault, nothing to mark
                 last_error = exc
             except Exception as exc:

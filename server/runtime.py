@@ -19,7 +19,7 @@ from pathlib import Path
 import uvicorn
 
 from proctor.server.auth import TokenAuth
-from proctor.server.engines import EngineSpec, create_engine
+from proctor.server.engines import EngineSpec, create_replica_engine
 from proctor.server.grpc_app import GrpcServer
 from proctor.server.http_app import create_app
 from proctor.server.routing import Replica, Router, Teacher
@@ -49,15 +49,14 @@ class ServerOptions:
 def single_teacher_router(spec: EngineSpec, *, name: str = "default", replicas: int = 1) -> Router:
     """A router over one teacher with `replicas` in-process engine replicas."""
 
-    def factory_for(replica_spec: EngineSpec):
+    def factory_for(replica_id: str):
         async def build():
-            return create_engine(replica_spec)
+            return create_replica_engine(spec, name=replica_id)
 
         return build
 
-    return Router(
-        [Teacher(name, [Replica(f"{name}-{i}", factory_for(spec)) for i in range(replicas)])]
-    )
+    ids = [f"{name}-{i}" for i in range(replicas)]
+    return Router([Teacher(name, [Replica(i, factory_for(i)) for i in ids])])
 
 
 class ProctorServer:

@@ -15,7 +15,7 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -23,6 +23,7 @@ import torch
 from proctor.proto import scoring_pb2
 from proctor.server.engines.base import EngineRequest, EngineResult, MediaItem, MultiModalInputs
 from proctor.server.errors import Code, ScoringError, invalid
+from proctor.server.media import MediaLimits, decode_media
 from proctor.server.metrics import Metrics
 from proctor.server.routing import Replica, ReplicaState, Router, Teacher
 
@@ -43,6 +44,7 @@ class Limits:
     max_queue_requests: int = 1024
     max_queue_tokens: int = 8_000_000
     default_timeout_s: float | None = None
+    media: MediaLimits = field(default_factory=MediaLimits)
 
 
 @dataclass
@@ -91,6 +93,7 @@ class ScoringService:
         self._idle = asyncio.Event()
         self._idle.set()
         self._in_flight = 0
+        self._counted: dict[tuple[str, str], tuple[int, int, int]] = {}
         router.attach_metrics(self.metrics)
         for teacher in router.teachers.values():
             teacher._on_replica_state = self._replica_changed
@@ -120,7 +123,17 @@ class ScoringService:
     # -- metrics plumbing ------------------------------------------------------------------
     def _replica_changed(self, teacher: Teacher, replica: Replica) -> None:
         healthy = 1.0 if replica.state is ReplicaState.HEALTHY else 0.0
-        self.metrics.replica_healthy.labels(teacher.name, replica.replica_id).set(healthy)
+        labels = (teacher.name, replica.replica_id)
+        self.metrics.replica_healthy.labels(*labels).set(healthy)
+        self._count_replica(labels, replica)
+
+    def _count_replica(self, labels: tuple[str, str], replica: Replica) -> None:
+        """Advance the failure/restart/scored counters to the replica's own counts."""
+        failures, restarts, served = self._counted.get(labels, (0, 0, 0))
+        self.metrics.replica_failures.labels(*labels).inc(replica.failures - failures)
+        self.metrics.replica_restarts.labels(*labels).inc(replica.restarts - restarts)
+        self.metrics.replica_scored.labels(*labels).inc(replica.served - served)
+        self._counted[labels] = (replica.failures, replica.restarts, replica.served)
 
     def _watch_queue(self, teacher: Teacher) -> None:
         def waiting() -> float:
@@ -140,10 +153,13 @@ class ScoringService:
             raise invalid("token_ids", "is empty; send the prompt and response token ids")
         if len(ids) < 2:
             raise invalid("token_ids", "needs at least 2 tokens (row 0 has no prefix to score)")
-        if len(ids) > info.max_model_len:
+        if len(ids) > info.max_sequence_tokens:
+            spare = "" if info.max_sequence_tokens == info.max_model_len else (
+                "; the engine keeps one of its max_model_len slots for the output token of the prefill")
             raise invalid(
                 "token_ids",
-                f"has {len(ids)} tokens, more than teacher {teacher.name!r} accepts (max_model_len {info.max_model_len})",
+                f"has {len(ids)} tokens, more than teacher {teacher.name!r} scores ({info.max_sequence_tokens}: "
+                f"max_model_len {info.max_model_len}{spare})",
             )
         # numpy, not torch: torch calls on the event loop can stall behind the engine's thread.
         array = np.asarray(ids, dtype=np.int64)
@@ -192,6 +208,18 @@ class ScoringService:
             hidden_states=request.hidden_states,
             media=media if media else None,
         )
+
+    async def _decoded(self, request: EngineRequest) -> EngineRequest:
+        """The request with its media decoded and checked, off the event loop, before admission:
+        a bad item is this request's INVALID_ARGUMENT and never reaches a replica."""
+        from dataclasses import replace
+
+        try:
+            media = await asyncio.to_thread(decode_media, request.media, self.limits.media)
+        except ValueError as exc:
+            field = str(exc).split(":", 1)[0].split("[", 1)[0] or "images"
+            raise ScoringError(Code.INVALID_ARGUMENT, str(exc), field=field) from None
+        return replace(request, media=media)
 
     @staticmethod
     def _processor_kwargs(text: str) -> dict:
@@ -250,6 +278,8 @@ class ScoringService:
             engine_request = self.validate(request, teacher)
             if not engine_request.request_id:
                 engine_request = _with_id(engine_request, uuid.uuid4().hex)
+            if engine_request.media:
+                engine_request = await self._decoded(engine_request)
             admission = self._admit(teacher, engine_request.num_tokens)
             try:
                 result = await self._score_admitted(teacher, engine_request, timeout)
@@ -266,6 +296,8 @@ class ScoringService:
             self.metrics.requests.labels(teacher_name, mode, "internal").inc()
             raise ScoringError(Code.INTERNAL, f"scoring failed: {exc}") from exc
         self.metrics.requests.labels(teacher.name, mode, "ok").inc()
+        for replica in teacher.replicas:
+            self._count_replica((teacher.name, replica.replica_id), replica)
         self.metrics.scored_tokens.labels(teacher.name, mode).inc(engine_request.num_tokens)
         self.metrics.request_latency.labels(teacher.name).observe(time.monotonic() - started)
         self.metrics.queue_time.labels(teacher.name).observe(result.queue_seconds)

@@ -202,15 +202,46 @@ def test_several_teachers_need_distinct_keys(tmp_path):
     assert any("teacher_models.c.key: 'k' is also the key of teacher 'b'" in p for p in err.value.problems)
 
 
-def test_hidden_state_loss_needs_chunked_prefill_off_and_a_whole_sequence_per_step(tmp_path):
+def test_hidden_state_loss_on_omni_needs_chunked_prefill_off_and_a_whole_sequence_per_step(tmp_path):
     teacher = torch_teacher("/m/a")
-    teacher["inference"].update(name="vllm", max_num_batched_tokens=100)
+    teacher["inference"].update(name="vllm_omni", max_num_batched_tokens=100)
     doc = cpu_config({"t": teacher}, devices=1)
     doc["distillation"]["distillation_loss"] = {"loss_mode": "full_jsd", "use_policy_gradient": False}
     with pytest.raises(ConfigError) as err:
         load_config(write_config(tmp_path, doc))
     assert any(p.startswith("distillation.teacher_models.t.inference.enable_chunked_prefill is true") for p in err.value.problems)
     assert any("inference.max_num_batched_tokens is 100" in p and "at least 128" in p for p in err.value.problems)
+
+
+def test_hidden_state_loss_on_vllm_takes_its_settings_as_they_are(tmp_path):
+    # vLLM's hidden states come from its pooling engine, which runs unchunked with whole sequences.
+    teacher = torch_teacher("/m/a")
+    teacher["inference"].update(name="vllm", max_num_batched_tokens=100)
+    doc = cpu_config({"t": teacher}, devices=1)
+    doc["distillation"]["distillation_loss"] = {"loss_mode": "full_jsd", "use_policy_gradient": False}
+    config = load_config(write_config(tmp_path, doc))
+    assert config.distillation.teacher_models["t"].inference.max_num_batched_tokens == 100
+
+
+def test_hidden_states_false_with_a_hidden_state_loss_is_refused(tmp_path):
+    teacher = torch_teacher("/m/a")
+    teacher["inference"]["hidden_states"] = False
+    doc = cpu_config({"t": teacher}, devices=1)
+    doc["distillation"]["distillation_loss"] = {"loss_mode": "full_jsd", "use_policy_gradient": False}
+    with pytest.raises(ConfigError, match=r"teacher_models\.t\.inference\.hidden_states is false"):
+        load_config(write_config(tmp_path, doc))
+
+
+def test_hidden_states_setting_is_accepted_and_decided_once_in_the_plan(tmp_path, tiny_model_dir):
+    from proctor.server.config import load_plan
+
+    for value, expected in ((False, False), (True, True), (None, True)):
+        teacher = torch_teacher(tiny_model_dir)
+        if value is not None:
+            teacher["inference"]["hidden_states"] = value
+        plan = load_plan(write_config(tmp_path, cpu_config({"t": teacher}, devices=1)))
+        assert plan.teachers["t"].spec.hidden_states is expected
+        assert "hidden_states" not in plan.teachers["t"].spec.inference
 
 
 def test_vllm_max_logprobs_below_the_loss_topk_is_refused(tmp_path):

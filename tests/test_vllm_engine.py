@@ -19,8 +19,8 @@ import torch
 
 from proctor.server.engines import EngineConfigError, EngineRequest, EngineSpec, create_engine
 from proctor.server.engines.base import EngineError
+from proctor.server.engines.subprocess_engine import engine_environment
 from proctor.server.engines.vllm_common import (
-    device_env,
     engine_args_from_settings,
     extract_rows,
     hidden_rows,
@@ -340,11 +340,11 @@ def test_max_logprobs_is_seeded_from_the_topk():
 
 
 def test_devices_become_visible_devices_variables():
-    assert device_env(EngineSpec(name="vllm", model_path="/m", device="cuda", devices=("2", "3"))) == {
+    assert engine_environment(EngineSpec(name="vllm", model_path="/m", device="cuda", devices=("2", "3"))) == {
         "CUDA_VISIBLE_DEVICES": "2,3"
     }
-    assert device_env(EngineSpec(name="vllm", model_path="/m", device="npu:1")) == {"ASCEND_RT_VISIBLE_DEVICES": "1"}
-    assert device_env(EngineSpec(name="vllm", model_path="/m", device="cpu", devices=("0",))) == {}
+    assert engine_environment(EngineSpec(name="vllm", model_path="/m", device="npu:1")) == {"ASCEND_RT_VISIBLE_DEVICES": "1"}
+    assert engine_environment(EngineSpec(name="vllm", model_path="/m", device="cpu", devices=("0",))) == {}
 
 
 def test_unembedding_of_tied_checkpoint_is_the_embeddings(tmp_path):

@@ -1,6 +1,8 @@
 """Teacher engines behind one protocol; `create_engine` picks one by its config name.
 
 Engines import lazily: vLLM and vLLM-Omni are optional extras and heavy to import.
+`create_replica_engine` is what a server replica runs: vLLM-family engines in a host process of
+their own (their processes need the replica's own visible devices), the torch engine here.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from proctor.server.engines.base import (
 )
 
 ENGINE_NAMES = ("torch", "vllm", "vllm_omni")
+# Engines that spawn processes of their own, which must inherit the replica's environment.
+HOSTED_ENGINES = ("vllm", "vllm_omni")
 
 
 class EngineConfigError(ValueError):
@@ -42,6 +46,15 @@ def create_engine(spec: EngineSpec) -> TeacherEngine:
     )
 
 
+def create_replica_engine(spec: EngineSpec, *, name: str = "") -> TeacherEngine:
+    """The engine one in-process replica runs: hosted in its own process for vLLM engines."""
+    if spec.name in HOSTED_ENGINES:
+        from proctor.server.engines.subprocess_engine import SubprocessEngine
+
+        return SubprocessEngine(spec, name=name)
+    return create_engine(spec)
+
+
 __all__ = [
     "ENGINE_NAMES",
     "EngineConfigError",
@@ -54,4 +67,5 @@ __all__ = [
     "MultiModalInputs",
     "TeacherEngine",
     "create_engine",
+    "create_replica_engine",
 ]

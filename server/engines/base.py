@@ -12,6 +12,7 @@ token i given tokens 0..i-1, rows `first_row..T-1` are returned.
 from __future__ import annotations
 
 import abc
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Union
 
@@ -60,6 +61,9 @@ class EngineRequest:
     topk: int
     hidden_states: bool
     media: MultiModalInputs | None = None
+    # Unique per validated request (request_id is the caller's and may repeat): what
+    # `TeacherEngine.abort` names.
+    key: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     @property
     def num_tokens(self) -> int:
@@ -131,15 +135,25 @@ class RequestRejected(Exception):
         super().__init__(f"{field}: {message}")
         self.field = field
         self.message = f"{field}: {message}"
+        self.reason = message
         self.request_id = request_id
+
+    def __reduce__(self):  # crosses the engine-host socket intact
+        return (_rebuild_rejected, (self.field, self.reason, self.request_id))
+
+
+def _rebuild_rejected(field: str, message: str, request_id: str) -> RequestRejected:
+    return RequestRejected(field, message, request_id=request_id)
 
 
 class RequestAborted(Exception):
     """The request was aborted inside the engine (its caller cancelled or its deadline passed)."""
 
 
-# What an engine answers for one request of a batch.
-Outcome = Union["EngineResult", RequestRejected, RequestAborted]
+# What an engine answers for one request of a batch: its result, a request error, an abort,
+# or (a replica error that hit this request only, e.g. the engine died before it finished
+# while others of the batch had finished) an EngineError.
+Outcome = Union["EngineResult", RequestRejected, RequestAborted, EngineError]
 
 
 class TeacherEngine(abc.ABC):
@@ -153,13 +167,15 @@ class TeacherEngine(abc.ABC):
     async def score(self, batch: list[EngineRequest]) -> list[Outcome]:
         """Score every request of the batch; one outcome per request, in the same order.
 
-        An outcome is the request's `EngineResult`, or a `RequestRejected` (that request's
-        input is at fault) or `RequestAborted` (it was aborted through `abort`). Raising means
-        the whole batch failed: `EngineError` (or any other exception) is a replica error.
+        An outcome is the request's `EngineResult`, a `RequestRejected` (that request's input
+        is at fault), a `RequestAborted` (aborted through `abort`) or an `EngineError` (the
+        replica failed before this request finished; requests that did finish keep their
+        results, so nothing is computed twice). Raising means the whole batch failed:
+        `EngineError` (or any other exception) is a replica error.
         """
 
-    async def abort(self, request_ids: list[str]) -> None:  # noqa: B027  (optional hook)
-        """Stop computing these requests (their callers gave up); their outcomes become
+    async def abort(self, request_keys: list[str]) -> None:  # noqa: B027  (optional hook)
+        """Stop computing these requests (`EngineRequest.key`: their callers gave up); their outcomes become
         `RequestAborted`. Engines that cannot stop a running batch (the torch engine's one
         padded forward pass) do nothing: a request cancelled before its batch starts is
         never computed anyway (the batcher drops it)."""

@@ -108,3 +108,8 @@ def check_vllm_settings(
         batched = settings.get("max_num_batched_tokens")
         if have_lengths and batched is not None:
             check_batched_tokens(int(batched), int(prompt_length), int(response_length))
+
+
+def refuse(message: str) -> None:
+    """A config-only problem found by the serving plan, reported like the engine checks."""
+    raise EngineConfigError(message)

@@ -22,6 +22,8 @@ from proctor.server.engines.base import (
     EngineRequest,
     EngineResult,
     EngineSpec,
+    Outcome,
+    RequestRejected,
     TeacherEngine,
 )
 from proctor.server.fingerprint import model_fingerprint
@@ -117,14 +119,22 @@ class TorchEngine(TeacherEngine):
             raise EngineError("engine not started")
         return self._model.get_output_embeddings().weight.detach().to("cpu")
 
-    async def score(self, batch: list[EngineRequest]) -> list[EngineResult]:
-        for request in batch:
-            if request.media:
-                raise EngineError(
-                    f"the torch engine serves text-only teachers; request {request.request_id!r} "
-                    f"carries {', '.join(request.media.kinds())}: use inference.name=vllm_omni"
-                )
-        return await asyncio.to_thread(self._score_sync, batch)
+    async def score(self, batch: list[EngineRequest]) -> list[Outcome]:
+        outcomes: list[Outcome | None] = [self._request_problem(r) for r in batch]
+        scorable = [r for r, problem in zip(batch, outcomes, strict=True) if problem is None]
+        if scorable:
+            results = iter(await asyncio.to_thread(self._score_sync, scorable))
+            outcomes = [next(results) if problem is None else problem for problem in outcomes]
+        return outcomes  # type: ignore[return-value]
+
+    @staticmethod
+    def _request_problem(request: EngineRequest) -> RequestRejected | None:
+        if request.media:
+            kinds = request.media.kinds()
+            return RequestRejected(
+                kinds[0], f"the torch engine serves text-only teachers; this request carries {', '.join(kinds)}"
+            )
+        return None
 
     # -- the forward pass ------------------------------------------------------------------
     def _score_sync(self, batch: list[EngineRequest]) -> list[EngineResult]:

@@ -1,6 +1,10 @@
 """What the vLLM and vLLM-Omni engines share: settings → engine arguments, prompt-logprob
-extraction, the teacher's facts and unembedding read from its checkpoint, device visibility,
-and the replica skeleton (start / fan-out / close).
+extraction, the teacher's facts and unembedding read from its checkpoint, the replica skeleton
+(start / fan-out / abort / close) and the one rule that sorts an engine's exceptions into
+request errors and replica errors.
+
+Devices: these engines never set `*_VISIBLE_DEVICES` themselves; the process that hosts them
+(`engine_host`, or a Ray actor) is started with the replica's environment.
 
 Nothing here imports vLLM at module level, so the pure parts are tested without an engine.
 
@@ -18,13 +22,10 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import contextlib
 import json
 import logging
-import os
-import threading
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -40,6 +41,9 @@ from proctor.server.engines.base import (
     EngineRequest,
     EngineResult,
     EngineSpec,
+    Outcome,
+    RequestAborted,
+    RequestRejected,
     TeacherEngine,
 )
 from proctor.server.engines.checks import check_model_path
@@ -91,6 +95,28 @@ def resolve_max_logprobs(spec: EngineSpec, engine: str) -> int:
     return int(value) if value is not None else int(spec.max_topk)
 
 
+# On CPU, vLLM's `gpu_memory_utilization` is the share of the machine's memory it reserves for
+# its KV cache, refused when that much is not free; vLLM's 0.92 default never fits a node that
+# runs anything else (or a second replica), so a CPU teacher gets this unless told otherwise.
+CPU_MEMORY_FRACTION = 0.1
+
+
+def resolve_dtype(spec: EngineSpec) -> str:
+    """`dtype: auto` is the checkpoint's own dtype on every engine.
+
+    vLLM's own "auto" serves a float32 checkpoint in bfloat16/float16, which would make the
+    vLLM and torch engines disagree by ~5e-2 on the same model; the torch engine keeps the
+    checkpoint's dtype, so vLLM is told it explicitly.
+    """
+    if spec.dtype and spec.dtype != "auto":
+        return spec.dtype
+    try:
+        dtype = model_facts(spec.model_path).dtype
+    except (EngineConfigError, OSError, KeyError, ValueError):
+        return "auto"
+    return str(dtype).removeprefix("torch.") if dtype else "auto"
+
+
 def engine_args_from_settings(
     spec: EngineSpec,
     *,
@@ -105,10 +131,12 @@ def engine_args_from_settings(
     cache, and its own memory share (`engine_kwargs.<engine>.hidden_states_gpu_memory_utilization`).
     """
     settings = spec.inference or {}
-    args: dict[str, Any] = {"model": str(spec.model_path), "dtype": spec.dtype or "auto"}
+    args: dict[str, Any] = {"model": str(spec.model_path), "dtype": resolve_dtype(spec)}
     for key, arg in SETTING_TO_ENGINE_ARG.items():
         if arg is not None and settings.get(key) is not None:
             args[arg] = settings[key]
+    if args.get("gpu_memory_utilization") is None and spec.device.startswith("cpu"):
+        args["gpu_memory_utilization"] = CPU_MEMORY_FRACTION
     args["max_logprobs"] = int(max_logprobs)
     args["disable_log_stats"] = True
     passthrough = engine_kwargs_of(spec, engine)
@@ -126,46 +154,6 @@ def engine_args_from_settings(
         if share is not None:
             args["gpu_memory_utilization"] = float(share)
     return args
-
-
-# --------------------------------------------------------------------------------------------
-# Devices
-# --------------------------------------------------------------------------------------------
-
-VISIBLE_DEVICE_VARS = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
-_ENV_LOCK = threading.Lock()
-
-
-def device_env(spec: EngineSpec) -> dict[str, str]:
-    """The *_VISIBLE_DEVICES variable the replica's engine processes must start with."""
-    kind = spec.device.split(":", 1)[0]
-    var = VISIBLE_DEVICE_VARS.get(kind)
-    if var is None:
-        return {}
-    devices = list(spec.devices)
-    if not devices and ":" in spec.device:
-        devices = [spec.device.split(":", 1)[1]]
-    return {var: ",".join(devices)} if devices else {}
-
-
-@contextlib.contextmanager
-def scoped_env(env: Mapping[str, str]) -> Iterator[None]:
-    """Set env for the duration (engine processes spawned inside inherit it), then restore.
-
-    Serialised by a lock: replicas of one server start their engines one at a time, each with
-    its own devices visible.
-    """
-    with _ENV_LOCK:
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            yield
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
 
 
 # --------------------------------------------------------------------------------------------
@@ -399,17 +387,70 @@ def engine_request_id(request: EngineRequest) -> str:
 
 
 # --------------------------------------------------------------------------------------------
+# Request errors vs replica errors
+# --------------------------------------------------------------------------------------------
+
+# Exception types (by name, so that vLLM need not be imported) that say "this request's input"
+# when an input step raises them: vLLM's own client errors (VLLMValidationError for a prompt of
+# max_model_len tokens, VLLMUnprocessableEntityError), and the ValueError/TypeError that its
+# input processors (tokenizer, multimodal processors) raise, which AsyncLLM.generate wraps in
+# EngineGenerateError.
+_CLIENT_ERRORS = ("VLLMClientError", "VLLMValidationError", "VLLMUnprocessableEntityError")
+_INPUT_ERRORS = (ValueError, TypeError)
+
+
+def _is_client_error(exc: BaseException) -> bool:
+    return any(cls.__name__ in _CLIENT_ERRORS for cls in type(exc).__mro__)
+
+
+def _request_field(request: EngineRequest, message: str) -> str:
+    """The wire field an engine's complaint is about: the media kind it names, else the ids."""
+    lowered = message.lower()
+    for kind in request.media.kinds() if request.media else ():
+        if kind.rstrip("s") in lowered:
+            return kind
+    return "token_ids"
+
+
+def classify_error(request: EngineRequest, exc: BaseException) -> RequestRejected | EngineError:
+    """The one rule: a request error (the request's INVALID_ARGUMENT) or a replica error.
+
+    A request error is an input the engine refused before computing anything: vLLM's client
+    errors, or an EngineGenerateError caused by a ValueError/TypeError from input processing.
+    Everything else that fails on a validated request (EngineDeadError: the EngineCore died;
+    errors from the model's forward; a wrong-shaped answer) is the replica's.
+    """
+    if isinstance(exc, RequestRejected | EngineError):
+        return exc
+    cause = exc if _is_client_error(exc) else None
+    if cause is None and type(exc).__name__ == "EngineGenerateError" and isinstance(exc.__cause__, _INPUT_ERRORS):
+        cause = exc.__cause__
+    if cause is None and isinstance(exc, _INPUT_ERRORS) and not isinstance(exc, EngineConfigError):
+        cause = exc
+    if cause is not None:
+        message = str(cause) or type(cause).__name__
+        return RequestRejected(_request_field(request, message), message, request_id=request.request_id)
+    detail = f"{type(exc).__name__}: {exc}" + (f" (caused by {exc.__cause__!r})" if exc.__cause__ else "")
+    return EngineError(detail)
+
+
+# --------------------------------------------------------------------------------------------
 # The replica skeleton
 # --------------------------------------------------------------------------------------------
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# How long the EngineCore may take to answer a health probe (a utility call that it answers
+# between two steps): a stopped or wedged core fails the health check within this bound.
+PROBE_TIMEOUT_S = 10.0
 
 
 class VllmFamilyEngine(TeacherEngine):
-    """Start/close, describe, unembedding and batch fan-out shared by the vLLM engines.
+    """Start/close, describe, unembedding, batch fan-out and abort shared by the vLLM engines.
 
-    Subclasses build their engine clients in `_start_engines` (inside the device env) and score
-    one request in `_score_one`; requests of a batch run concurrently (vLLM batches them).
+    Subclasses build their engine clients in `_start_engines` and score one request in
+    `_score_one`; the requests of a batch run concurrently as tasks (vLLM batches them), so
+    each has its own outcome and `abort` cancels just its task, which aborts it in vLLM
+    (AsyncLLM.generate aborts a request whose consumer is cancelled).
     """
 
     engine_name = "vllm"
@@ -426,6 +467,8 @@ class VllmFamilyEngine(TeacherEngine):
         self._unembedding: torch.Tensor | None = None
         self._started = False
         self._closed = False
+        self._running: dict[str, asyncio.Task] = {}
+        self.aborted: list[str] = []  # keys of requests aborted while computing (evidence for tests)
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -434,12 +477,12 @@ class VllmFamilyEngine(TeacherEngine):
         self._validate()
         facts = model_facts(self.spec.model_path, self.sub_config)
         self.facts = facts
-        with scoped_env(device_env(self.spec)):
-            await self._start_engines()
+        await self._start_engines()
         self._started = True
         max_len = int(self.settings.get("max_model_len") or await self._engine_max_model_len())
-        dtype = self.spec.dtype if self.spec.dtype in TORCH_DTYPES else str(facts.dtype or "bfloat16")
-        self._dtype = TORCH_DTYPES.get(dtype.removeprefix("torch."), torch.bfloat16)
+        dtype = resolve_dtype(self.spec)
+        self._dtype = TORCH_DTYPES.get(dtype, TORCH_DTYPES.get(str(facts.dtype or "").removeprefix("torch."),
+                                                              torch.bfloat16))
         self._info = EngineInfo(
             engine=self.engine_name,
             model=Path(self.spec.model_path).name,
@@ -451,6 +494,7 @@ class VllmFamilyEngine(TeacherEngine):
             dtype=str(self._dtype).removeprefix("torch."),
             outputs=self._outputs(),
             media=self.media_kinds,
+            max_tokens=max_len - 1,  # the prefill's one output token needs a slot
         )
 
     def _outputs(self) -> tuple[str, ...]:
@@ -459,7 +503,7 @@ class VllmFamilyEngine(TeacherEngine):
 
     @property
     def serves_hidden_states(self) -> bool:
-        return self.settings.get("hidden_states", True) is not False
+        return self.spec.hidden_states
 
     @abc.abstractmethod
     def _validate(self) -> None:
@@ -467,7 +511,7 @@ class VllmFamilyEngine(TeacherEngine):
 
     @abc.abstractmethod
     async def _start_engines(self) -> None:
-        """Build and start the engine client(s); runs with the replica's devices visible."""
+        """Build and start the engine client(s)."""
 
     async def _engine_max_model_len(self) -> int:
         return self.facts.max_position_embeddings
@@ -494,27 +538,60 @@ class VllmFamilyEngine(TeacherEngine):
             )
         return self._unembedding
 
-    async def score(self, batch: list[EngineRequest]) -> list[EngineResult]:
+    async def score(self, batch: list[EngineRequest]) -> list[Outcome]:
         if not self._started or self._closed:
             raise EngineError(f"{self.engine_name} engine is not running")
-        for request in batch:
-            self._check_request(request)
+        outcomes: list[Outcome | None] = [self._request_problem(r) for r in batch]
+        tasks: dict[int, asyncio.Task] = {}
+        for index, request in enumerate(batch):
+            if outcomes[index] is None:
+                tasks[index] = self._running[request.key] = asyncio.ensure_future(self._score_one(request))
         try:
-            return list(await asyncio.gather(*(self._score_one(r) for r in batch)))
-        except (EngineError, EngineConfigError, ValueError):
-            raise
+            if tasks:
+                await asyncio.wait(tasks.values())
         except asyncio.CancelledError:
+            for task in tasks.values():
+                task.cancel()
             raise
-        except Exception as exc:  # engine died, bad output: the service may retry elsewhere
-            raise EngineError(f"{self.engine_name} engine failed: {type(exc).__name__}: {exc}") from exc
+        finally:
+            for index in tasks:
+                self._running.pop(batch[index].key, None)
+        for index, task in tasks.items():
+            outcomes[index] = self._outcome(batch[index], task)
+        return outcomes  # type: ignore[return-value]
 
-    def _check_request(self, request: EngineRequest) -> None:
+    def _outcome(self, request: EngineRequest, task: asyncio.Task) -> Outcome:
+        if task.cancelled():
+            return RequestAborted(f"request {request.request_id!r} was aborted")
+        exc = task.exception()
+        if exc is None:
+            return task.result()
+        outcome = classify_error(request, exc)
+        if isinstance(outcome, EngineError):
+            log.warning("%s engine failed request %s: %s", self.engine_name, request.request_id, outcome)
+        return outcome
+
+    async def abort(self, request_keys: list[str]) -> None:
+        for key in request_keys:
+            task = self._running.get(key)
+            if task is not None and not task.done():
+                task.cancel()
+                self.aborted.append(key)
+
+    def _request_problem(self, request: EngineRequest) -> RequestRejected | None:
+        """What this engine cannot score about a request that passed the service's validation."""
         if request.topk > self.max_logprobs:
-            raise ValueError(f"topk {request.topk} exceeds this teacher's max_topk {self.max_logprobs}")
+            return RequestRejected("topk", f"{request.topk} exceeds this teacher's max_topk {self.max_logprobs}")
         if request.hidden_states and not self.serves_hidden_states:
-            raise ValueError("hidden_states: this teacher is configured without hidden states")
+            return RequestRejected("hidden_states", "this teacher is configured without hidden states")
         if request.media and not self.media_kinds:
-            raise ValueError(
-                f"the {self.engine_name} engine serves a text-only teacher; request {request.request_id!r} "
-                f"carries {', '.join(request.media.kinds())}: use inference.name=vllm_omni"
+            kinds = request.media.kinds()
+            return RequestRejected(
+                kinds[0], f"the {self.engine_name} engine serves a text-only teacher; this request carries {', '.join(kinds)}"
             )
+        if self._info is not None and request.num_tokens > self._info.max_sequence_tokens:
+            return RequestRejected(
+                "token_ids", f"{request.num_tokens} tokens leave no slot for the prefill's output token "
+                f"(max_model_len {self._info.max_model_len})",
+            )
+        return None

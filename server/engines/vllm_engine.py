@@ -34,8 +34,18 @@ chunked prefill and with `max_num_batched_tokens >= max_model_len` (a pooled seq
 step). Set `inference.hidden_states: false` to turn hidden states off altogether.
 
 `unembedding()` is read from the checkpoint's safetensors (lm_head, or the embeddings when
-tied), never from the engine processes. Devices: `spec.devices` become CUDA_VISIBLE_DEVICES /
-ASCEND_RT_VISIBLE_DEVICES while the engine processes are spawned.
+tied), never from the engine processes. Devices: the server runs this engine in a host process
+of its own (`engine_host`) started with the replica's CUDA_VISIBLE_DEVICES /
+ASCEND_RT_VISIBLE_DEVICES, which vLLM's EngineCore and workers inherit.
+
+Health: `check_health` asks the EngineCore a utility question (`is_sleeping`) and waits at
+most `PROBE_TIMEOUT_S`: a dead core is reported by vLLM itself (`errored`), a stopped or wedged
+one by the missing answer. Abort: cancelling a request's `generate` consumer makes AsyncLLM
+abort it in the EngineCore.
+
+A replica that spans nodes (`spec.placement_group`, reserved by the Ray pool) runs as one
+engine over vLLM's Ray executor on that placement group (`distributed_executor_backend="ray"`,
+`ParallelConfig.placement_group`), so its workers land on the bundles proctor reserved.
 
 vLLM must be started from a process whose main module is import-safe (the CLI starts the
 server under `if __name__ == "__main__"`): vLLM spawns its engine-core processes.
@@ -52,6 +62,7 @@ import torch
 from proctor.server.engines.base import EngineError, EngineRequest, EngineResult
 from proctor.server.engines.checks import check_vllm_settings
 from proctor.server.engines.vllm_common import (
+    PROBE_TIMEOUT_S,
     VllmFamilyEngine,
     check_cpu_head_dim,
     engine_args_from_settings,
@@ -104,7 +115,9 @@ class VllmEngine(VllmFamilyEngine):
             self.settings,
             topk=self.spec.max_topk,
             max_logprobs=self.max_logprobs,
-            hidden_states=self.settings.get("hidden_states") is True,
+            # The pooling replica runs with chunked prefill off and a batch of max_model_len tokens
+            # whatever the settings say, so the generate engine's settings need no such check.
+            hidden_states=False,
         )
         check_cpu_head_dim(model_facts(self.spec.model_path), self.spec.device)
 
@@ -126,10 +139,19 @@ class VllmEngine(VllmFamilyEngine):
         return args, pooled
 
     async def _start_engines(self) -> None:
-        _, _, AsyncEngineArgs, AsyncLLM = _import_vllm()
         args, self._pooled_args = self._engine_args()
         log.info("starting vLLM teacher %s: %s", self.spec.model_path, args)
-        self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, AsyncEngineArgs(**args))
+        self._llm = await asyncio.to_thread(self._build, args)
+
+    def _build(self, args: dict[str, Any]):
+        """An AsyncLLM for args; on the replica's Ray placement group when it has one."""
+        _, _, AsyncEngineArgs, AsyncLLM = _import_vllm()
+        if self.spec.placement_group is None:
+            return AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+        args = {**args, "distributed_executor_backend": "ray"}
+        vllm_config = AsyncEngineArgs(**args).create_engine_config()
+        vllm_config.parallel_config.placement_group = self.spec.placement_group
+        return AsyncLLM.from_vllm_config(vllm_config)
 
     async def _pooling_engine(self):
         """The pooling replica, started on first use (under the replica's devices)."""
@@ -141,17 +163,13 @@ class VllmEngine(VllmFamilyEngine):
                     raise EngineError(f"the hidden-states engine failed to start: {self._pooler_failed}")
                 from vllm.config import PoolerConfig
 
-                _, _, AsyncEngineArgs, AsyncLLM = _import_vllm()
-                from proctor.server.engines.vllm_common import device_env, scoped_env
-
                 args = dict(self._pooled_args)
                 args["pooler_config"] = PoolerConfig(
                     task="token_embed", tok_pooling_type="ALL", use_activation=False
                 )
                 log.info("starting vLLM hidden-states (pooling) engine: %s", args)
                 try:
-                    with scoped_env(device_env(self.spec)):
-                        pooler = await asyncio.to_thread(AsyncLLM.from_engine_args, AsyncEngineArgs(**args))
+                    pooler = await asyncio.to_thread(self._build, args)
                 except Exception as exc:
                     self._pooler_failed = exc
                     raise EngineError(f"the hidden-states engine failed to start: {exc}") from exc
@@ -173,13 +191,17 @@ class VllmEngine(VllmFamilyEngine):
                 await asyncio.to_thread(engine.shutdown)
 
     async def check_health(self) -> bool:
+        engines = [e for e in (self._llm, self._pooler) if e is not None]
         if self._llm is None or self._closed:
             return False
-        try:
-            await self._llm.check_health()
-        except Exception:
-            return False
-        return not self._llm.errored
+        for engine in engines:
+            if engine.errored:
+                return False
+            try:
+                await asyncio.wait_for(engine.engine_core.is_sleeping_async(), PROBE_TIMEOUT_S)
+            except Exception:  # no answer in time, or the core is gone
+                return False
+        return True
 
     # -- scoring ---------------------------------------------------------------------------
     async def _score_one(self, request: EngineRequest) -> EngineResult:

@@ -1,0 +1,110 @@
+"""An engine host: one teacher engine in a process of its own (`python -m ...engine_host FD`).
+
+The server starts one per vLLM / vLLM-Omni replica (`SubprocessEngine`) with the replica's
+environment given explicitly (its `*_VISIBLE_DEVICES`), so the engine's own processes (vLLM's
+EngineCore and workers) inherit exactly that and nothing another replica set; replicas start
+concurrently and the server's `os.environ` is never touched. The host serves the engine
+protocol over the socket `FD` (see `host_protocol`): scoring calls run concurrently, aborts
+reach the engine while its batch runs, and health checks are answered by the engine's own
+probe. When the server goes away (the socket closes) the host closes its engine and exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import sys
+from typing import Any
+
+from proctor.server.engines.host_protocol import read_message, write_message
+
+log = logging.getLogger("proctor.engine_host")
+
+
+class EngineHost:
+    """Answers the server's messages with one engine."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.engine: Any = None
+        self._tasks: set[asyncio.Task] = set()
+
+    async def serve(self) -> None:
+        message = await read_message(self.reader)
+        if message is None or message[0] != "start":
+            return
+        if not await self._start(message[1]):
+            return
+        try:
+            while (message := await read_message(self.reader)) is not None:
+                if message[0] == "close":
+                    break
+                self._dispatch(message)
+        finally:
+            for task in list(self._tasks):
+                task.cancel()
+            if self.engine is not None:
+                with contextlib.suppress(Exception):
+                    await self.engine.close()
+
+    async def _start(self, spec: Any) -> bool:
+        from proctor.server.engines import create_engine
+
+        try:
+            self.engine = create_engine(spec)
+            await self.engine.start()
+        except Exception as exc:
+            log.exception("engine failed to start")
+            await self._send(("start_failed", f"{type(exc).__name__}: {exc}"))
+            return False
+        await self._send(("ready", self.engine.describe(), self.engine.token_budget()))
+        return True
+
+    def _dispatch(self, message: tuple[Any, ...]) -> None:
+        kind = message[0]
+        if kind == "abort":
+            self._spawn(self.engine.abort(list(message[1])))
+        elif kind == "score":
+            self._spawn(self._reply(message[1], self.engine.score(message[2])))
+        elif kind == "health":
+            self._spawn(self._reply(message[1], self.engine.check_health()))
+        else:
+            log.error("unknown message %r from the server", kind)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _reply(self, call: int, coro) -> None:
+        try:
+            value = await coro
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            await self._send(("failed", call, f"{type(exc).__name__}: {exc}"))
+            return
+        await self._send(("reply", call, value))
+
+    async def _send(self, message: tuple[Any, ...]) -> None:
+        write_message(self.writer, message)
+        await self.writer.drain()
+
+
+async def _main(fd: int) -> None:
+    sock = socket.socket(fileno=fd)
+    reader, writer = await asyncio.open_unix_connection(sock=sock)
+    await EngineHost(reader, writer).serve()
+    writer.close()
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(_main(int(sys.argv[1])))
+
+
+if __name__ == "__main__":
+    main()

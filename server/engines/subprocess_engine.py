@@ -1,0 +1,256 @@
+"""A replica's engine in a host process of its own, seen by the server as an ordinary engine.
+
+Why a process: a vLLM replica spawns its EngineCore (and, with TP > 1, its workers), which
+inherit the environment of the process that spawns them. Several replicas of one server need
+several `CUDA_VISIBLE_DEVICES` / `ASCEND_RT_VISIBLE_DEVICES` values at once, which one
+`os.environ` cannot hold, so each replica's engine lives in `engine_host`, started with its
+environment given explicitly. The replicas start concurrently, nothing blocks the event loop,
+and killing a replica means killing its host's whole process group (EngineCore included, also
+when it is stopped or wedged).
+
+Faults are the host's or its engine's: the host exiting (killed, crashed) fails every call in
+flight with `EngineError` at once; a host or engine that stops answering fails its health
+check after `health_timeout_s`; a start that does not finish within the spec's
+`startup_timeout_s` is killed and fails with the last lines of its output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import itertools
+import logging
+import os
+import signal
+import socket
+import sys
+from typing import Any
+
+import torch
+
+from proctor.server.engines.base import (
+    EngineError,
+    EngineInfo,
+    EngineRequest,
+    EngineSpec,
+    Outcome,
+    TeacherEngine,
+)
+from proctor.server.engines.host_protocol import read_message, write_message
+from proctor.server.pool import VISIBLE_DEVICES_ENV
+
+log = logging.getLogger(__name__)
+
+LOG_TAIL_LINES = 60
+CLOSE_GRACE_S = 10.0
+
+
+def engine_environment(spec: EngineSpec) -> dict[str, str]:
+    """The variables a replica's engine processes must start with: its visible devices."""
+    kind = spec.device.split(":", 1)[0]
+    var = VISIBLE_DEVICES_ENV.get(kind)
+    if var is None:
+        return {}
+    devices = list(spec.devices)
+    if not devices and ":" in spec.device:
+        devices = [spec.device.split(":", 1)[1]]
+    return {var: ",".join(devices)} if devices else {}
+
+
+def host_spec(spec: EngineSpec) -> EngineSpec:
+    """The spec the host builds its engine from: its devices are all it sees, numbered from 0."""
+    from dataclasses import replace
+
+    kind, _, _ = spec.device.partition(":")
+    return replace(spec, device=kind) if kind in VISIBLE_DEVICES_ENV else spec
+
+
+class SubprocessEngine(TeacherEngine):
+    """`engine_host` as a child process, spoken to over a socket pair."""
+
+    def __init__(self, spec: EngineSpec, *, name: str = "", health_timeout_s: float | None = None) -> None:
+        self.spec = spec
+        self.name = name or spec.name
+        self.health_timeout_s = float(health_timeout_s or (spec.inference or {}).get("health_timeout_s") or 15.0)
+        self._proc: asyncio.subprocess.Process | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._calls: dict[int, asyncio.Future] = {}
+        self._ids = itertools.count()
+        self._ready: asyncio.Future | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
+        self._info: EngineInfo | None = None
+        self._budget = 8192
+        self._unembedding: torch.Tensor | None = None
+        self._exit: str | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+    @property
+    def pid(self) -> int | None:
+        """The host process's pid (its process group holds the engine's own processes)."""
+        return self._proc.pid if self._proc is not None else None
+
+    def log_tail(self) -> str:
+        return "".join(self._tail)
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        ours, theirs = socket.socketpair()
+        env = {**os.environ, **engine_environment(self.spec), "PYTHONUNBUFFERED": "1"}
+        try:
+            self._proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "proctor.server.engines.engine_host", str(theirs.fileno()),
+                pass_fds=(theirs.fileno(),), env=env, start_new_session=True,
+                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+            )
+        finally:
+            theirs.close()
+        reader, self._writer = await asyncio.open_unix_connection(sock=ours)
+        self._ready = loop.create_future()
+        self._tasks = [
+            loop.create_task(self._read_replies(reader), name=f"proctor-host-{self.name}-replies"),
+            loop.create_task(self._pump_output(), name=f"proctor-host-{self.name}-output"),
+            loop.create_task(self._watch_exit(), name=f"proctor-host-{self.name}-exit"),
+        ]
+        self._send(("start", host_spec(self.spec)))
+        timeout = self.spec.startup_timeout_s
+        try:
+            self._info, self._budget = await asyncio.wait_for(asyncio.shield(self._ready), timeout)
+        except asyncio.TimeoutError:
+            await self.close()
+            raise EngineError(
+                f"{self.name}: the {self.spec.name} engine did not start within {timeout:.0f} s "
+                f"(inference.startup_timeout_s); its last output:\n{self.log_tail()}"
+            ) from None
+        except BaseException:
+            await self.close()
+            raise
+        log.info("%s: %s engine ready in host process %d", self.name, self.spec.name, self.pid)
+
+    async def close(self) -> None:
+        proc = self._proc
+        if proc is None:
+            return
+        if proc.returncode is None and self._writer is not None:
+            with contextlib.suppress(Exception):
+                self._send(("close",))
+                await asyncio.wait_for(proc.wait(), CLOSE_GRACE_S)
+        self._kill_group()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(proc.wait(), CLOSE_GRACE_S)
+        for task in self._tasks:
+            task.cancel()
+        self._fail_all(EngineError(f"{self.name}: engine host closed"))
+        if self._writer is not None:
+            self._writer.close()
+        self._proc, self._writer = None, None
+
+    def _kill_group(self) -> None:
+        """SIGKILL the host and everything it started (EngineCore, workers), stopped ones too."""
+        proc = self._proc
+        if proc is None:
+            return
+        victims = []
+        with contextlib.suppress(Exception):
+            import psutil
+
+            victims = psutil.Process(proc.pid).children(recursive=True)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        for child in victims:  # descendants that left the group (setsid) are killed by pid
+            with contextlib.suppress(Exception):
+                child.kill()
+
+    # -- the socket ------------------------------------------------------------------------
+    def _send(self, message: tuple[Any, ...]) -> None:
+        if self._writer is None or self._exit is not None:
+            raise EngineError(f"{self.name}: engine host is not running ({self._exit or 'closed'})")
+        write_message(self._writer, message)
+
+    async def _call(self, kind: str, *args: Any, timeout: float | None = None) -> Any:
+        call = next(self._ids)
+        future = asyncio.get_running_loop().create_future()
+        self._calls[call] = future
+        try:
+            self._send((kind, call, *args))
+            return await (asyncio.wait_for(future, timeout) if timeout else future)
+        finally:
+            self._calls.pop(call, None)
+
+    async def _read_replies(self, reader: asyncio.StreamReader) -> None:
+        while (message := await read_message(reader)) is not None:
+            kind = message[0]
+            if kind == "ready":
+                if not self._ready.done():
+                    self._ready.set_result((message[1], message[2]))
+            elif kind == "start_failed":
+                if not self._ready.done():
+                    self._ready.set_exception(EngineError(f"{self.name}: engine failed to start: {message[1]}"))
+            else:
+                future = self._calls.get(message[1])
+                if future is None or future.done():
+                    continue
+                if kind == "reply":
+                    future.set_result(message[2])
+                else:
+                    future.set_exception(EngineError(f"{self.name}: {message[2]}"))
+
+    async def _pump_output(self) -> None:
+        """Keep the host's last lines (for errors) and pass them on to this process's stderr."""
+        assert self._proc is not None and self._proc.stdout is not None
+        while line := await self._proc.stdout.readline():
+            text = line.decode(errors="replace")
+            self._tail.append(text)
+            sys.stderr.write(f"[{self.name}] {text}")
+
+    async def _watch_exit(self) -> None:
+        assert self._proc is not None
+        code = await self._proc.wait()
+        self._exit = f"host process exited with code {code}"
+        error = EngineError(f"{self.name}: engine {self._exit}; its last output:\n{self.log_tail()}")
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_exception(error)
+        self._fail_all(error)
+
+    def _fail_all(self, error: EngineError) -> None:
+        for future in list(self._calls.values()):
+            if not future.done():
+                future.set_exception(error)
+
+    # -- protocol --------------------------------------------------------------------------
+    def describe(self) -> EngineInfo:
+        if self._info is None:
+            raise EngineError(f"{self.name}: engine not started")
+        return self._info
+
+    def token_budget(self) -> int:
+        return self._budget
+
+    async def score(self, batch: list[EngineRequest]) -> list[Outcome]:
+        return await self._call("score", batch)
+
+    async def abort(self, request_keys: list[str]) -> None:
+        with contextlib.suppress(EngineError):
+            self._send(("abort", list(request_keys)))
+
+    async def check_health(self) -> bool:
+        if self._exit is not None or self._proc is None:
+            return False
+        try:
+            return bool(await self._call("health", timeout=self.health_timeout_s))
+        except (EngineError, asyncio.TimeoutError):
+            return False
+
+    def unembedding(self) -> torch.Tensor:
+        """Read here from the checkpoint, as the hosted engine itself does (vLLM's weights live
+        in its EngineCore, never in a Python process): an unstarted twin knows where to look."""
+        if self._unembedding is None:
+            from proctor.server.engines import create_engine
+
+            twin = create_engine(host_spec(self.spec))
+            weight = twin.unembedding()
+            if self._info is not None:
+                weight = weight[: self._info.vocab_size].contiguous()
+            self._unembedding = weight
+        return self._unembedding
