@@ -6,15 +6,49 @@ Settings (`inference.engine_kwargs.vllm_omni`, as verl-omni writes them):
   no Code2Wav (a teacher scores text tokens).
 - `pipeline_name` (e.g. `qwen3_omni_moe`, `qwen2_5_omni`): selects the pipeline adapter, i.e.
   which architecture, HF sub-config and checkpoint names the Thinker has. Proctor writes a
-  one-stage vLLM-Omni stage config for it (`stage_configs_path` overrides that file).
+  one-stage vLLM-Omni config for it (`deploy_config` / `stage_configs_path` override that file).
 - `max_logprobs`: seeded from the teacher's top-k, validated against it.
 - anything else is passed through to the Thinker stage's engine args.
 
+Which vLLM-Omni this is written against (read from the released wheels, not the git tree):
+0.30.0 (the CUDA image's pin) and 0.18.0 (the Ascend image's pin). They take different config
+files, so proctor writes the one the installed version reads (`config_schema`):
+- 0.30.0 refuses `stage_configs_path` (`entrypoints/utils.py:prepare_stage_config_inputs`) and
+  the `stage_args` schema (`config/stage_config.py:load_deploy_config`); it takes
+  `deploy_config=<yaml>` whose `pipeline:` names a registered topology
+  (`config/pipeline_registry.py`: `qwen3_omni_moe_thinker_only`, `qwen2_5_omni_thinker_only`)
+  and whose `stages[0]` holds the deployment knobs (`_parse_stage_deploy`; keys that are not
+  `StageDeployConfig` fields land in `engine_extras`, which `_build_engine_args` applies last, so
+  `engine_output_type: latent` overrides the thinker-only topology's "text").
+- 0.18.0 reads the legacy `stage_args` YAML (`entrypoints/utils.py:load_stage_configs_from_yaml`).
+Batch size: `runtime.max_batch_size` is the legacy knob; where vLLM-Omni still reads it, it
+becomes `max_num_seqs` (0.18.0 `StageConfig.to_omegaconf`: setdefault from it, then default 1;
+the Dec-2025 git tree's `omni_stage.py` even overwrote `max_num_seqs` with it, default 1). Proctor
+never writes it and sets `max_num_seqs` itself: the teacher's `max_num_seqs`, else 256.
+
 Scoring is the vLLM engine's: one prompt per sequence, `SamplingParams(max_tokens=1,
-prompt_logprobs=K, detokenize=False)`, with `multi_modal_data` decoded from the wire
-(`server/media.py`) and `mm_processor_kwargs` exactly as the rollout sent them; the token ids
-must already hold the expanded placeholders (what the rollout's processor produced and vLLM
-generated from), and a result whose length differs is refused rather than misaligned.
+prompt_logprobs=K, detokenize=False)`, with `multi_modal_data` as the service decoded it
+(`MultiModalInputs.decoded`) and `mm_processor_kwargs` exactly as the rollout sent them; the
+token ids must already hold the expanded placeholders (what the rollout's processor produced and
+vLLM generated from), and a result whose length differs is refused rather than misaligned.
+
+Faults, in the terms of `base.py` (see `classify_stage_error` for the message shapes):
+- cancellation: `abort(request_ids)` calls `AsyncOmni.abort` with the ids proctor submitted
+  (0.30.0 `AsyncOmni.abort` maps them to its internal ids and sends an `AbortRequestMessage` to
+  the orchestrator, which aborts them in the stage's engine core; 0.18.0 sends
+  `{"type": "abort"}` on the orchestrator's request queue) and cancels the consumer, because
+  0.18.0's abort drops the request state and would leave `generate()` waiting forever. A
+  cancelled `score()` cancels the `generate()` coroutine, whose own `except CancelledError`
+  aborts the request in both versions; proctor also aborts it explicitly (idempotent).
+- a dead stage process: `check_health` asks `AsyncOmni.check_health` (0.30.0
+  `OmniBase.check_health`: orchestrator thread alive and every stage pool has a live replica;
+  0.18.0: the orchestrator thread only) and, independently of how soon vLLM's own monitor flags
+  it, checks the stage processes it saw appear while the engine started (this process's direct
+  children, i.e. the stage engine-core processes the orchestrator thread spawned). A watcher task
+  polls them, and when one exits every in-flight request fails at once with `EngineError`.
+- start-up: `init_timeout` / `stage_init_timeout` (both versions' `OmniBase.__init__`) get
+  `EngineSpec.startup_timeout_s`, and the start is wrapped in the same deadline, so a stage that
+  never becomes ready fails with an `EngineError` carrying the last vLLM-Omni log lines.
 
 Hidden states: vLLM-Omni's AR model runner (`GPUARModelRunner` / `NPUARModelRunner`) attaches
 to every scheduled chunk a payload `{"hidden": <last-layer activations of the chunk's tokens>}`
@@ -26,16 +60,20 @@ only for requests that ask for them. The cost is the runner's device→host copy
 request, paid whether or not the request wanted hidden states.
 
 vLLM-Omni needs CUDA or Ascend (no CPU platform) and pins its own transformers, so this engine
-cannot run in CPU CI: the tests cover its settings, stage config, request construction and
-payload extraction with fakes shaped like vLLM-Omni's classes, and everything it shares with
-the vLLM engine (vllm_common.py) runs for real there. `bench/gpu_check.sh` runs it on a GPU.
+cannot run in CPU CI: tests/test_vllm_omni_engine.py runs it against tests/omni_fakes.py, whose
+`FakeAsyncOmni` mirrors 0.30.0's behaviour with a real child process as the stage; everything it
+shares with the vLLM engine (vllm_common.py) runs for real there. `bench/gpu_check.sh` runs it on
+a GPU.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import json
 import logging
+import re
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -45,11 +83,19 @@ from typing import Any
 import torch
 
 from proctor.server.engines import EngineConfigError
-from proctor.server.engines.base import EngineError, EngineRequest, EngineResult, EngineSpec
+from proctor.server.engines.base import (
+    EngineError,
+    EngineRequest,
+    EngineResult,
+    EngineSpec,
+    Outcome,
+    RequestRejected,
+)
 from proctor.server.engines.checks import check_vllm_settings
 from proctor.server.engines.vllm_common import (
     SETTING_TO_ENGINE_ARG,
     VllmFamilyEngine,
+    classify_error,
     engine_kwargs_of,
     engine_request_id,
     extract_rows,
@@ -61,11 +107,23 @@ log = logging.getLogger(__name__)
 
 ENGINE = "vllm_omni"
 # engine_kwargs.vllm_omni keys that configure proctor / the pipeline, not the stage's engine.
-OMNI_OWN_KEYS = frozenset({"output_mode", "pipeline_name", "pipeline_mode", "stage_configs_path", "max_logprobs"})
+OMNI_OWN_KEYS = frozenset(
+    {"output_mode", "pipeline_name", "pipeline_mode", "stage_configs_path", "deploy_config", "max_logprobs"}
+)
 # Keys of the accumulated multimodal_output that hold the Thinker's hidden states, in order.
 HIDDEN_KEYS = ("hidden", "latent", "latents", "model_outputs")
-
-
+# Sequences the Thinker stage schedules at once when the teacher does not say (vLLM's own
+# default for a GPU; vLLM-Omni's legacy default of 1 would score one sequence at a time).
+DEFAULT_MAX_NUM_SEQS = 256
+# Engine args that the 0.30.0 pipeline topology owns (`StagePipelineConfig`), not the deploy file.
+TOPOLOGY_ARGS = ("model_stage", "model_arch", "hf_config_name", "worker_cls", "scheduler_cls")
+# How often the watcher looks at the stage processes, and how long health and abort may take.
+STAGE_POLL_S = 0.5
+HEALTH_TIMEOUT_S = 10.0
+ABORT_TIMEOUT_S = 10.0
+# Slack past the start-up deadline for vLLM-Omni's own init_timeout to fire first.
+STARTUP_GRACE_S = 5.0
+LOG_TAIL_LINES = 40
 @dataclass(frozen=True)
 class OmniPipeline:
     """What proctor must know of one vLLM-Omni model family to serve its Thinker."""
@@ -75,6 +133,7 @@ class OmniPipeline:
     hf_config_name: str  # the Thinker's sub-config in config.json
     head_names: tuple[str, ...]
     embed_names: tuple[str, ...]
+    thinker_only: str  # the thinker-only topology vLLM-Omni 0.30.0 registers for this family
 
 
 PIPELINES = {
@@ -86,6 +145,7 @@ PIPELINES = {
             "thinker_config",
             ("thinker.lm_head.weight",),
             ("thinker.model.embed_tokens.weight",),
+            "qwen3_omni_moe_thinker_only",
         ),
         OmniPipeline(
             "qwen2_5_omni",
@@ -93,6 +153,7 @@ PIPELINES = {
             "thinker_config",
             ("thinker.lm_head.weight",),
             ("thinker.model.embed_tokens.weight",),
+            "qwen2_5_omni_thinker_only",
         ),
     )
 }
@@ -141,42 +202,75 @@ def stage_engine_args(spec: EngineSpec, pipeline: OmniPipeline, max_logprobs: in
     for key, value in engine_kwargs_of(spec, ENGINE).items():
         if key not in OMNI_OWN_KEYS:
             args[key] = value
+    # Always explicit: where vLLM-Omni derives it from runtime.max_batch_size it defaults to 1.
+    args["max_num_seqs"] = int(args.get("max_num_seqs") or DEFAULT_MAX_NUM_SEQS)
     if int(args.get("tensor_parallel_size", 1)) * int(args.get("pipeline_parallel_size", 1)) > 1:
         args.setdefault("distributed_executor_backend", "mp")
     return args
 
 
-def stage_config(spec: EngineSpec, pipeline: OmniPipeline, max_logprobs: int) -> dict[str, Any]:
-    """A one-stage vLLM-Omni stage config (the YAML's `stage_args`) for the Thinker."""
-    args = stage_engine_args(spec, pipeline, max_logprobs)
+def _stage_devices(args: Mapping[str, Any]) -> str:
+    """The stage's device indices: the replica's devices are made visible by *_VISIBLE_DEVICES."""
     world = int(args.get("tensor_parallel_size", 1)) * int(args.get("pipeline_parallel_size", 1))
     world *= int(args.get("data_parallel_size", 1))
+    return ",".join(str(i) for i in range(world))
+
+
+SCORING_STAGE_DEFAULTS = {"max_tokens": 1, "detokenize": False}
+
+
+def stage_config(spec: EngineSpec, pipeline: OmniPipeline, max_logprobs: int) -> dict[str, Any]:
+    """A one-stage legacy `stage_args` config for the Thinker (what vLLM-Omni 0.18.0 reads).
+
+    No `runtime.max_batch_size`: it is the legacy batch-size knob that vLLM-Omni turns into
+    `max_num_seqs` (default 1); `engine_args.max_num_seqs` is set instead.
+    """
+    args = stage_engine_args(spec, pipeline, max_logprobs)
     return {
         "stage_args": [
             {
                 "stage_id": 0,
                 "stage_type": "llm",
-                # The replica's devices are made visible by *_VISIBLE_DEVICES: index them locally.
-                "runtime": {"devices": ",".join(str(i) for i in range(world)), "max_batch_size": 1},
+                "runtime": {"devices": _stage_devices(args)},
                 "engine_args": args,
                 "final_output": True,
                 "final_output_type": "text",
                 "is_comprehension": True,
-                "default_sampling_params": {"max_tokens": 1, "detokenize": False},
+                "default_sampling_params": dict(SCORING_STAGE_DEFAULTS),
             }
         ]
     }
 
 
-def build_prompt(request: EngineRequest) -> dict[str, Any]:
-    """The TokensPrompt (a dict) for one request: ids, decoded media, processor kwargs as sent."""
-    from proctor.server.media import multi_modal_data
+def deploy_config(spec: EngineSpec, pipeline: OmniPipeline, max_logprobs: int) -> dict[str, Any]:
+    """A deploy config (vLLM-Omni 0.30.0's `deploy_config` schema) for the thinker-only pipeline.
 
+    The topology (architecture, sub-config, worker and scheduler) comes from the registered
+    `<family>_thinker_only` pipeline; stage 0 carries the engine args as flat keys, which
+    vLLM-Omni sorts into `StageDeployConfig` fields and `engine_extras`.
+    """
+    args = stage_engine_args(spec, pipeline, max_logprobs)
+    for key in TOPOLOGY_ARGS:
+        args.pop(key, None)
+    stage = {"stage_id": 0, "devices": _stage_devices(args), **args}
+    stage["default_sampling_params"] = dict(SCORING_STAGE_DEFAULTS)
+    return {"pipeline": pipeline.thinker_only, "async_chunk": False, "stages": [stage]}
+
+
+def build_prompt(request: EngineRequest) -> dict[str, Any]:
+    """The TokensPrompt (a dict) for one request: ids, media as the service decoded it, processor
+    kwargs as sent. Bytes are decoded here only for a request that skipped the service."""
     prompt: dict[str, Any] = {"prompt_token_ids": request.token_ids.tolist()}
-    if request.media:
-        prompt["multi_modal_data"] = multi_modal_data(request.media)
-        if request.media.processor_kwargs:
-            prompt["mm_processor_kwargs"] = dict(request.media.processor_kwargs)
+    media = request.media
+    if media:
+        if media.decoded is not None:
+            prompt["multi_modal_data"] = media.decoded
+        else:
+            from proctor.server.media import multi_modal_data
+
+            prompt["multi_modal_data"] = multi_modal_data(media)
+        if media.processor_kwargs:
+            prompt["mm_processor_kwargs"] = dict(media.processor_kwargs)
     return prompt
 
 
@@ -219,6 +313,178 @@ def extract_hidden(request_output: Any, total: int) -> torch.Tensor:
     )
 
 
+# --------------------------------------------------------------------------------------------
+# Stage errors: the request's fault or the replica's
+# --------------------------------------------------------------------------------------------
+
+# Exception classes (matched by name along the MRO, so nothing of vLLM is imported here) that
+# say the engine, not the request, failed: vLLM's EngineDeadError (0.30.0's OmniEngineDeadError
+# derives from it) and EngineGenerateError.
+ENGINE_FAILURE_TYPES = frozenset({"EngineDeadError", "OmniEngineDeadError", "EngineGenerateError"})
+# Message shapes of input rejections, each with the request field it names. vLLM's InputProcessor
+# ("The decoder prompt (length N) is longer than the maximum model length of M"), its multimodal
+# processor ("Expected there to be N prompt updates corresponding to N image items, but instead
+# found M prompt updates", "... placeholder ...", failures to load an item), and processor kwargs
+# the HF processor does not take ("got an unexpected keyword argument").
+_REJECTION_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = tuple(
+    (re.compile(pattern, re.IGNORECASE), field)
+    for pattern, field in (
+        (r"maximum model length|max_model_len|longer than|too long|exceeds? the maximum", "token_ids"),
+        (r"mm_processor_kwargs|unexpected keyword argument|processor kwargs?", "mm_processor_kwargs"),
+        (r"prompt updates|placeholder", "media"),
+        (r"\bimages?\b", "images"),
+        (r"\bvideos?\b|\bframes?\b", "videos"),
+        (r"\baudios?\b|waveform|sampling.rate", "audios"),
+        (r"\btoken(?:_ids)?\b|\bvocab", "token_ids"),
+    )
+)
+
+
+def _error_text(exc: BaseException) -> str:
+    """The message of a stage error; 0.18.0 raises `RuntimeError(result)` with the orchestrator's
+    `{"request_id", "stage_id", "error"}` dict as its argument."""
+    arg = exc.args[0] if exc.args else None
+    if isinstance(arg, Mapping) and "error" in arg:
+        return str(arg["error"])
+    return str(exc)
+
+
+def _client_status(exc: BaseException) -> int | None:
+    status = getattr(exc, "status_code", None)
+    return int(status) if isinstance(status, int) else None
+
+
+def classify_stage_error(exc: BaseException, request: EngineRequest) -> RequestRejected | EngineError:
+    """The outcome of an exception from `AsyncOmni.generate`: that request's rejection, or an
+    `EngineError` when the engine (not the request) failed.
+
+    How the pinned versions report a request's failure, and how it is read here:
+    - 0.30.0 processes inputs in the caller (`AsyncOmniEngine.add_request` →
+      `InputProcessor.process_inputs`), so a prompt too long, media the processor refuses or
+      placeholders that do not match the media raise vLLM's `ValueError` (its API server's 400)
+      or, for a placeholder count mismatch, its `RuntimeError` out of `generate()`.
+    - 0.30.0 stage errors come back as an `ErrorMessage` on the request's queue
+      (`engine/messages.py`); `OmniBase._raise_nonfatal_error_message` /
+      `_check_engine_output_error` raise `OmniClientError` (a `ValueError` with a 4xx
+      `status_code`, `errors.py:raise_client_error_or`) for client errors, else
+      `RuntimeError` / `EngineGenerateError`; a fatal one (dead replica) raises
+      `OmniEngineDeadError`.
+    - 0.18.0 raises `RuntimeError(<the orchestrator's error dict>)` for any stage error
+      (`AsyncOmni._process_orchestrator_results`), so there only the message tells.
+    Rules: dead/generate-error types are the engine's; a 4xx status or a `ValueError` is the
+    request's; a `RuntimeError` is the request's only when its message has an input-rejection
+    shape (`_REJECTION_PATTERNS`); anything else goes to the vLLM family's rule
+    (`vllm_common.classify_error`), which makes it the engine's unless it is an input error.
+    """
+    if isinstance(exc, RequestRejected | EngineError):
+        return exc
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    text = _error_text(exc)
+    if names & ENGINE_FAILURE_TYPES:
+        return EngineError(f"vLLM-Omni stage failed: {type(exc).__name__}: {text}")
+    status = _client_status(exc)
+    field = _rejected_field(text, request)
+    if (status is not None and 400 <= status < 500) or isinstance(exc, ValueError):
+        return RequestRejected(field or _default_field(request), text, request_id=request.request_id)
+    if isinstance(exc, RuntimeError) and field is not None:
+        return RequestRejected(field, text, request_id=request.request_id)
+    return classify_error(request, exc)
+
+
+def _rejected_field(text: str, request: EngineRequest) -> str | None:
+    for pattern, field in _REJECTION_PATTERNS:
+        if pattern.search(text):
+            return _default_field(request) if field == "media" else field
+    return None
+
+
+def _default_field(request: EngineRequest) -> str:
+    """The field a rejection names when its message does not: the media, else the tokens."""
+    kinds = request.media.kinds() if request.media else []
+    return kinds[0] if kinds else "token_ids"
+
+
+# --------------------------------------------------------------------------------------------
+# Stage processes and start-up logs
+# --------------------------------------------------------------------------------------------
+
+
+def child_processes() -> dict[int, Any]:
+    """This process's live direct children (psutil.Process by pid); {} without psutil."""
+    try:
+        import psutil
+    except ImportError:  # pragma: no cover - psutil comes with vLLM
+        return {}
+    children = {}
+    for child in psutil.Process().children(recursive=False):
+        with contextlib.suppress(psutil.Error):
+            if "resource_tracker" not in " ".join(child.cmdline()):  # multiprocessing's helper
+                children[child.pid] = child
+    return children
+
+
+def process_exit(process: Any) -> str | None:
+    """Why a stage process is gone ("exited", "zombie"), or None while it runs."""
+    import psutil
+
+    try:
+        if not process.is_running():
+            return "exited"
+        if process.status() == psutil.STATUS_ZOMBIE:  # killed, not yet reaped by its parent
+            return "exited (zombie)"
+    except psutil.NoSuchProcess:
+        return "exited"
+    except psutil.Error as exc:  # pragma: no cover - permissions
+        return f"unreadable ({exc})"
+    return None
+
+
+class LogTail(logging.Handler):
+    """The last lines vLLM-Omni (and vLLM) logged in this process, for a start-up error.
+
+    The orchestrator runs in a thread of this process in both pinned versions and logs each
+    stage's start-up progress and failures there.
+    """
+
+    LOGGERS = ("vllm_omni", "vllm")
+
+    def __init__(self, lines: int = LOG_TAIL_LINES) -> None:
+        super().__init__(logging.INFO)
+        self.lines: collections.deque[str] = collections.deque(maxlen=lines)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        with contextlib.suppress(Exception):
+            self.lines.append(f"{record.name}: {record.getMessage()}")
+
+    @contextlib.contextmanager
+    def attached(self):
+        loggers = [logging.getLogger(name) for name in self.LOGGERS]
+        for logger in loggers:
+            logger.addHandler(self)
+        try:
+            yield self
+        finally:
+            for logger in loggers:
+                logger.removeHandler(self)
+
+    def text(self) -> str:
+        return "\n".join(self.lines) or "(vLLM-Omni logged nothing in this process)"
+
+
+def config_schema() -> str:
+    """"deploy" where the installed vLLM-Omni reads deploy configs (0.30.0), else "stage_args"."""
+    try:
+        from vllm_omni.config.stage_config import load_deploy_config  # noqa: F401
+    except ImportError:
+        return "stage_args"
+    return "deploy"
+
+
+# --------------------------------------------------------------------------------------------
+# The engine
+# --------------------------------------------------------------------------------------------
+
+
 class VllmOmniEngine(VllmFamilyEngine):
     """One multimodal teacher replica: vLLM-Omni's AsyncOmni running the Thinker stage."""
 
@@ -231,12 +497,14 @@ class VllmOmniEngine(VllmFamilyEngine):
         self.sub_config = (self.pipeline.hf_config_name,)
         self.head_names = self.pipeline.head_names
         self.embed_names = self.pipeline.embed_names
-        self._omni = None
+        self._omni: Any = None
         self._stage_dir: tempfile.TemporaryDirectory | None = None
-
-    @property
-    def serves_hidden_states(self) -> bool:
-        return self.settings.get("hidden_states", True) is not False
+        self._stage_procs: dict[int, Any] = {}
+        self._dead: str | None = None
+        self._death: asyncio.Future[str] | None = None
+        self._watcher: asyncio.Task | None = None
+        # EngineRequest.key -> the request id submitted to AsyncOmni for it (one attempt)
+        self._engine_ids: dict[str, str] = {}
 
     def _validate(self) -> None:
         check_vllm_settings(
@@ -247,30 +515,118 @@ class VllmOmniEngine(VllmFamilyEngine):
             engine=ENGINE,
         )
 
-    def _stage_configs_path(self) -> str:
-        given = engine_kwargs_of(self.spec, ENGINE).get("stage_configs_path")
-        if given:
-            return str(given)
-        import yaml
-
-        self._stage_dir = tempfile.TemporaryDirectory(prefix="proctor-omni-")
-        path = Path(self._stage_dir.name) / f"{self.pipeline.name}_thinker.yaml"
-        path.write_text(yaml.safe_dump(stage_config(self.spec, self.pipeline, self.max_logprobs)))
-        return str(path)
-
-    async def _start_engines(self) -> None:
+    # -- seams (the tests substitute a fake vLLM-Omni) -------------------------------------
+    def _async_omni_class(self) -> Any:
         try:
             from vllm_omni.entrypoints import AsyncOmni
         except ImportError as exc:  # pragma: no cover - depends on the install
             raise EngineError("inference.name=vllm_omni needs vLLM-Omni: pip install vllm-omni") from exc
-        path = self._stage_configs_path()
-        log.info("starting vLLM-Omni teacher %s with stage config %s", self.spec.model_path, path)
-        self._omni = await asyncio.to_thread(
-            AsyncOmni, model=str(self.spec.model_path), stage_configs_path=path, log_stats=False
-        )
+        return AsyncOmni
+
+    def _config_schema(self) -> str:
+        return config_schema()
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def _config_kwargs(self) -> dict[str, str]:
+        """`deploy_config=` or `stage_configs_path=` for AsyncOmni: the user's file, else ours."""
+        schema = self._config_schema()
+        key = "deploy_config" if schema == "deploy" else "stage_configs_path"
+        given = engine_kwargs_of(self.spec, ENGINE).get(key)
+        if given:
+            return {key: str(given)}
+        import yaml
+
+        build = deploy_config if schema == "deploy" else stage_config
+        self._stage_dir = tempfile.TemporaryDirectory(prefix="proctor-omni-")
+        path = Path(self._stage_dir.name) / f"{self.pipeline.name}_thinker.yaml"
+        path.write_text(yaml.safe_dump(build(self.spec, self.pipeline, self.max_logprobs)))
+        return {key: str(path)}
+
+    async def _start_engines(self) -> None:
+        omni_cls = self._async_omni_class()
+        config = self._config_kwargs()
+        deadline = float(self.spec.startup_timeout_s)
+        kwargs: dict[str, Any] = {
+            "model": str(self.spec.model_path),
+            **config,
+            "log_stats": False,
+            "init_timeout": max(1, int(deadline)),
+            "stage_init_timeout": max(1, int(deadline)),
+        }
+        log.info("starting vLLM-Omni teacher %s with %s", self.spec.model_path, config)
+        before = set(child_processes())
+        loop = asyncio.get_running_loop()
+        tail = LogTail()
+        with tail.attached():
+            pending = loop.run_in_executor(None, lambda: omni_cls(**kwargs))
+            try:
+                self._omni = await asyncio.wait_for(asyncio.shield(pending), deadline + STARTUP_GRACE_S)
+            except Exception as exc:
+                if not pending.done():  # our deadline, not vLLM-Omni's own error
+                    self._abandon_start(pending, before)
+                    raise EngineError(
+                        f"vLLM-Omni did not become ready within {deadline:.0f}s (startup_timeout_s); "
+                        f"last log lines:\n{tail.text()}"
+                    ) from exc
+                self._kill_new_children(before)
+                raise EngineError(
+                    f"vLLM-Omni failed to start: {type(exc).__name__}: {exc}; last log lines:\n{tail.text()}"
+                ) from exc
+        self._stage_procs = {pid: p for pid, p in child_processes().items() if pid not in before}
+        if not self._stage_procs:
+            log.warning("vLLM-Omni started no stage process visible to proctor: only its own health checks apply")
+        self._death = loop.create_future()
+        self._watcher = asyncio.create_task(self._watch_stages(), name="vllm-omni-stage-watcher")
+
+    def _abandon_start(self, pending: asyncio.Future, before: set[int]) -> None:
+        """A start past its deadline: kill the stage processes it spawned and shut the engine
+        down should its constructor still return."""
+
+        def _late(done: asyncio.Future) -> None:
+            if not done.cancelled() and done.exception() is None:
+                with contextlib.suppress(Exception):
+                    done.result().shutdown()
+
+        pending.add_done_callback(_late)
+        self._kill_new_children(before)
+
+    @staticmethod
+    def _kill_new_children(before: set[int]) -> None:
+        for pid, process in child_processes().items():
+            if pid not in before:
+                with contextlib.suppress(Exception):
+                    process.kill()
+
+    async def _watch_stages(self) -> None:
+        """Poll the stage processes; the first one gone fails the replica and its requests."""
+        while not self._closed and self._dead is None:
+            self._check_stage_processes()
+            await asyncio.sleep(STAGE_POLL_S)
+
+    def _check_stage_processes(self) -> str | None:
+        if self._dead is None:
+            for pid, process in self._stage_procs.items():
+                why = process_exit(process)
+                if why is not None:
+                    self._mark_dead(f"vLLM-Omni stage process {pid} {why}")
+                    break
+        return self._dead
+
+    def _mark_dead(self, reason: str) -> None:
+        if self._dead is not None:
+            return
+        self._dead = reason
+        log.error("%s: failing %d in-flight request(s)", reason, len(self._engine_ids))
+        if self._death is not None and not self._death.done():
+            self._death.set_result(reason)
 
     async def close(self) -> None:
         self._closed = True
+        if self._watcher is not None:
+            self._watcher.cancel()
+            self._watcher = None
+        for task in list(self._running.values()):
+            task.cancel()
         omni, self._omni = self._omni, None
         if omni is not None:
             await asyncio.to_thread(omni.shutdown)
@@ -279,28 +635,105 @@ class VllmOmniEngine(VllmFamilyEngine):
             self._stage_dir = None
 
     async def check_health(self) -> bool:
-        return self._omni is not None and not self._closed
+        if self._omni is None or self._closed or self._check_stage_processes() is not None:
+            return False
+        try:
+            await asyncio.wait_for(self._omni.check_health(), HEALTH_TIMEOUT_S)
+        except Exception as exc:  # EngineDeadError, or no answer within the timeout: wedged
+            log.error("vLLM-Omni health check failed: %s: %s", type(exc).__name__, exc)
+            return False
+        return not bool(getattr(self._omni, "errored", False))
 
+    # -- cancellation ----------------------------------------------------------------------
+    async def abort(self, request_keys: list[str]) -> None:
+        """Abort in the stage (`AsyncOmni.abort`), then cancel the consumers (the shared skeleton):
+        0.18.0's abort drops the request's state and would leave `generate()` waiting forever."""
+        engine_ids = [self._engine_ids[key] for key in request_keys if key in self._engine_ids]
+        if engine_ids:
+            await self._abort_in_stage(engine_ids)
+        await super().abort(request_keys)
+
+    async def _abort_in_stage(self, engine_ids: list[str]) -> None:
+        omni = self._omni
+        if omni is None or self._dead is not None:
+            return
+        try:
+            await asyncio.wait_for(omni.abort(engine_ids), ABORT_TIMEOUT_S)
+        except Exception as exc:
+            log.warning("vLLM-Omni abort of %s failed: %s: %s", engine_ids, type(exc).__name__, exc)
+
+    # -- scoring ---------------------------------------------------------------------------
     def sampling_params(self, topk: int):
         from vllm import SamplingParams
 
         return SamplingParams(**scoring_sampling_kwargs(topk))
 
-    async def _score_one(self, request: EngineRequest) -> EngineResult:
-        prompt = build_prompt(request)
-        params = self.sampling_params(request.topk)
+    async def score(self, batch: list[EngineRequest]) -> list[Outcome]:
+        if self._dead is not None:
+            raise EngineError(self._dead)
+        if self._omni is None and self._started:
+            raise EngineError(f"{self.engine_name} engine is not running")
+        return await super().score(batch)
+
+    def _outcome(self, request: EngineRequest, task: asyncio.Task) -> Outcome:
+        if not task.cancelled() and task.exception() is not None:
+            outcome = classify_stage_error(task.exception(), request)
+            if isinstance(outcome, EngineError):
+                log.warning("vLLM-Omni failed request %s: %s", request.request_id, outcome)
+            return outcome
+        return super()._outcome(request, task)
+
+    async def _score_one(self, request: EngineRequest) -> EngineResult | RequestRejected:  # type: ignore[override]
+        engine_id = self._engine_ids[request.key] = engine_request_id(request)
+        consumer = asyncio.ensure_future(self._final_output(request, engine_id))
+        try:
+            final = await self._until_stage_dies(consumer)
+        except asyncio.CancelledError:
+            consumer.cancel()  # generate()'s own CancelledError handler aborts it in the stage
+            await asyncio.shield(self._abort_in_stage([engine_id]))  # and so does proctor (idempotent)
+            raise
+        finally:
+            self._engine_ids.pop(request.key, None)
+        return self._result(request, final)
+
+    async def _until_stage_dies(self, consumer: asyncio.Future) -> Any:
+        """The consumer's result, unless a stage process dies first (EngineError, consumer cancelled)."""
+        death = self._death
+        if death is None:
+            return await consumer
+        done, _ = await asyncio.wait({consumer, death}, return_when=asyncio.FIRST_COMPLETED)
+        if consumer in done:
+            return consumer.result()
+        consumer.cancel()
+        raise EngineError(death.result())
+
+    async def _final_output(self, request: EngineRequest, engine_id: str) -> Any:
         final = None
         async for output in self._omni.generate(
-            prompt, engine_request_id(request), sampling_params_list=[params]
+            build_prompt(request), engine_id, sampling_params_list=[self.sampling_params(request.topk)]
         ):
             final = output
+        return final
+
+    def _result(self, request: EngineRequest, final: Any) -> EngineResult | RequestRejected:
         if final is None:
             raise EngineError("vLLM-Omni returned no output")
         out = stage_output(final)
+        completions = list(getattr(out, "outputs", None) or [])
+        if completions and getattr(completions[0], "finish_reason", None) == "abort":
+            raise asyncio.CancelledError  # 0.30.0's terminal abort output: an aborted request
+        positions = getattr(out, "prompt_logprobs", None)
+        if request.media and positions is not None and len(positions) != request.num_tokens:
+            return RequestRejected(
+                "token_ids",
+                f"the processor expanded the prompt to {len(positions)} tokens from {request.num_tokens}: "
+                "send the token ids with the media placeholders already expanded",
+                request_id=request.request_id,
+            )
         result = EngineResult(first_row=request.first_row)
         if request.logprobs or request.topk:
             result.logprobs, result.topk_ids, result.topk_logprobs = extract_rows(
-                out.prompt_logprobs, request.token_ids, request.first_row, request.topk, logprobs=request.logprobs
+                positions, request.token_ids, request.first_row, request.topk, logprobs=request.logprobs
             )
         if request.hidden_states:
             states = extract_hidden(out, request.num_tokens)
@@ -310,8 +743,10 @@ class VllmOmniEngine(VllmFamilyEngine):
 
 
 def describe_stage_config(spec: EngineSpec) -> str:
-    """The stage config proctor would write for spec, as JSON (for `proctor check-config`)."""
+    """The config proctor would write for spec, as JSON (for `proctor check-config`): the deploy
+    config for the installed vLLM-Omni when it reads those, else the legacy stage config."""
     pipeline = omni_pipeline(spec)
     from proctor.server.engines.vllm_common import resolve_max_logprobs
 
-    return json.dumps(stage_config(spec, pipeline, resolve_max_logprobs(spec, ENGINE)), indent=2)
+    build = deploy_config if config_schema() == "deploy" else stage_config
+    return json.dumps(build(spec, pipeline, resolve_max_logprobs(spec, ENGINE)), indent=2)

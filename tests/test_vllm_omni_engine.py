@@ -1,0 +1,390 @@
+"""The vLLM-Omni engine against fakes of vLLM-Omni 0.30.0 (tests/omni_fakes.py says what each
+fake mirrors): settings, deploy/stage config, request construction, payload extraction, and the
+faults: batch size reaching the stage, abort and cancellation reaching the stage, a SIGKILLed
+stage process, a start that never becomes ready, request errors vs replica errors.
+
+vLLM-Omni cannot run on CPU; its stage here is a real child process, so killing it is a real
+fault. Every wait is bounded (`asyncio.wait_for`), so a regression fails instead of hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+from omni_fakes import CLIENT_ERROR, ENGINE_ERROR, IMAGE, SLOW, FakeAsyncOmni, fake_omni, legacy_max_num_seqs
+
+from proctor.server.engines import EngineConfigError, EngineRequest, EngineSpec, create_engine
+from proctor.server.engines import vllm_omni_engine as omni_mod
+from proctor.server.engines.base import (
+    EngineError,
+    MediaItem,
+    MultiModalInputs,
+    RequestAborted,
+    RequestRejected,
+)
+from proctor.server.engines.vllm_omni_engine import (
+    PIPELINES,
+    VllmOmniEngine,
+    build_prompt,
+    classify_stage_error,
+    deploy_config,
+    extract_hidden,
+    stage_config,
+    stage_output,
+)
+
+OMNI_KWARGS = {"output_mode": "ar", "pipeline_name": "qwen3_omni_moe"}
+BOUND_S = 10.0  # no fault test may take longer than this to answer
+
+
+def _omni_spec(path="/m", startup_timeout_s=60.0, **inference):
+    inference.setdefault("engine_kwargs", {"vllm_omni": dict(OMNI_KWARGS)})
+    return EngineSpec(name="vllm_omni", model_path=str(path), device="cuda", dtype="bfloat16", max_topk=16,
+                      inference=inference, devices=("4", "5"), startup_timeout_s=startup_timeout_s)
+
+
+def _request(rid="r", ids=(3, 9, 4, 5, 6), *, first_row=2, topk=2, hidden=False, media=None):
+    return EngineRequest(request_id=rid, token_ids=torch.tensor(list(ids)), first_row=first_row, logprobs=True,
+                         topk=topk, hidden_states=hidden, media=media)
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    text = {"hidden_size": 4, "vocab_size": 128, "max_position_embeddings": 64, "num_attention_heads": 1}
+    (tmp_path / "config.json").write_text(json.dumps({"thinker_config": {"text_config": text}}))
+    return tmp_path
+
+
+class _FakedEngine(VllmOmniEngine):
+    """The engine with vLLM-Omni replaced by a fake of 0.30.0 (deploy-config schema)."""
+
+    omni_cls: type[FakeAsyncOmni] = FakeAsyncOmni
+
+    def _async_omni_class(self):
+        return self.omni_cls
+
+    def _config_schema(self) -> str:
+        return "deploy"
+
+
+async def _started(model_dir, omni_cls=FakeAsyncOmni, **inference) -> _FakedEngine:
+    inference.setdefault("max_model_len", 64)
+    engine = _FakedEngine(_omni_spec(model_dir, **inference))
+    engine.omni_cls = omni_cls
+    await asyncio.wait_for(engine.start(), BOUND_S)
+    return engine
+
+
+async def _until(predicate, timeout=BOUND_S):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+# --------------------------------------------------------------------------------------------
+# Settings and configs
+# --------------------------------------------------------------------------------------------
+
+
+def test_omni_requires_ar_output_mode_and_a_known_pipeline():
+    from proctor.server.engines.vllm_omni_engine import omni_pipeline
+
+    assert omni_pipeline(_omni_spec()).model_arch == "Qwen3OmniMoeForConditionalGeneration"
+    with pytest.raises(EngineConfigError, match='output_mode="ar"'):
+        omni_pipeline(_omni_spec(engine_kwargs={"vllm_omni": {"pipeline_name": "qwen3_omni_moe"}}))
+    with pytest.raises(EngineConfigError, match="pipeline_name is 'nope'"):
+        omni_pipeline(_omni_spec(engine_kwargs={"vllm_omni": {"output_mode": "ar", "pipeline_name": "nope"}}))
+
+
+async def test_omni_max_logprobs_is_seeded_and_validated(tmp_path):
+    assert VllmOmniEngine(_omni_spec()).max_logprobs == 16
+    (tmp_path / "config.json").write_text("{}")
+    spec = _omni_spec(tmp_path, engine_kwargs={"vllm_omni": {**OMNI_KWARGS, "max_logprobs": 4}})
+    with pytest.raises(EngineConfigError, match=r"engine_kwargs\.vllm_omni\.max_logprobs is 4"):
+        await create_engine(spec).start()
+
+
+def test_omni_stage_config_is_one_thinker_stage():
+    spec = _omni_spec(tensor_model_parallel_size=2, gpu_memory_utilization=0.8, max_model_len=8192,
+                      temperature=0.7,
+                      engine_kwargs={"vllm_omni": {**OMNI_KWARGS, "max_num_seqs": 128, "max_logprobs": 32}})
+    (stage,) = stage_config(spec, PIPELINES["qwen3_omni_moe"], 32)["stage_args"]
+    args = stage["engine_args"]
+    assert stage["runtime"] == {"devices": "0,1"} and stage["final_output"] is True
+    assert args["model_stage"] == "thinker" and args["engine_output_type"] == "latent"
+    assert args["hf_config_name"] == "thinker_config" and args["worker_cls"].endswith("GPUARWorker")
+    assert args["tensor_parallel_size"] == 2 and args["gpu_memory_utilization"] == 0.8
+    assert args["max_num_seqs"] == 128 and args["max_logprobs"] == 32 and args["dtype"] == "bfloat16"
+    assert not {"output_mode", "pipeline_name", "temperature"} & set(args)
+    (deployed,) = deploy_config(spec, PIPELINES["qwen3_omni_moe"], 32)["stages"]
+    assert deploy_config(spec, PIPELINES["qwen3_omni_moe"], 32)["pipeline"] == "qwen3_omni_moe_thinker_only"
+    assert deployed["devices"] == "0,1" and deployed["engine_output_type"] == "latent"
+    assert deployed["max_num_seqs"] == 128 and not {"model_stage", "worker_cls", "model_arch"} & set(deployed)
+
+
+def test_omni_stage_batch_size_is_the_teachers_or_256_under_vllm_omnis_rules():
+    """0.18.0 turns runtime.max_batch_size into max_num_seqs with a default of 1: proctor's
+    legacy config must not leave that to it."""
+    pipeline = PIPELINES["qwen2_5_omni"]
+    (stage,) = stage_config(_omni_spec(), pipeline, 16)["stage_args"]
+    assert "max_batch_size" not in stage["runtime"]
+    assert legacy_max_num_seqs(stage) == 256
+    (stage,) = stage_config(_omni_spec(max_num_seqs=48), pipeline, 16)["stage_args"]
+    assert legacy_max_num_seqs(stage) == 48
+    assert deploy_config(_omni_spec(max_num_seqs=48), pipeline, 16)["stages"][0]["max_num_seqs"] == 48
+
+
+async def test_omni_batch_size_reaches_the_stage(model_dir):
+    """The stage process admits max_num_seqs sequences at once: the teacher's setting, not 1."""
+    engine = await _started(model_dir, max_num_seqs=3)
+    try:
+        assert engine._omni.max_num_seqs == 3
+        batch = [_request(f"r{i}") for i in range(6)]
+        outcomes = await asyncio.wait_for(engine.score(batch), BOUND_S)
+        assert all(o.logprobs is not None for o in outcomes)
+        assert engine._omni.stage_peak == 3
+    finally:
+        await engine.close()
+
+
+async def test_omni_legacy_stage_configs_path_is_refused_by_0_30_schema(model_dir):
+    """What proctor wrote before: a stage_args file passed as stage_configs_path fails on 0.30.0."""
+    class Legacy(_FakedEngine):
+        def _config_schema(self) -> str:
+            return "stage_args"
+
+    engine = Legacy(_omni_spec(model_dir, max_model_len=64))
+    with pytest.raises(EngineError, match="stage_configs_path"):
+        await asyncio.wait_for(engine.start(), BOUND_S)
+
+
+# --------------------------------------------------------------------------------------------
+# Requests and payloads
+# --------------------------------------------------------------------------------------------
+
+
+def test_omni_prompt_uses_the_services_decoded_media():
+    from PIL import Image
+
+    image = Image.new("RGB", (4, 4))
+    media = MultiModalInputs(images=(MediaItem(b"not an image at all", "image/png"),),
+                             processor_kwargs={"use_audio_in_video": False, "fps": 2},
+                             decoded={"image": [image]})
+    prompt = build_prompt(_request(ids=(1, 2, 3), media=media))
+    assert prompt["prompt_token_ids"] == [1, 2, 3]
+    assert prompt["multi_modal_data"]["image"][0] is image  # undecodable bytes were never touched
+    assert prompt["mm_processor_kwargs"] == {"use_audio_in_video": False, "fps": 2}
+    assert build_prompt(_request(ids=(5, 6))) == {"prompt_token_ids": [5, 6]}
+
+
+def test_omni_prompt_decodes_only_when_the_service_did_not():
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (4, 4)).save(buf, format="PNG")
+    media = MultiModalInputs(images=(MediaItem(buf.getvalue(), "image/png"),))
+    assert [im.size for im in build_prompt(_request(media=media))["multi_modal_data"]["image"]] == [(4, 4)]
+
+
+async def test_omni_engine_scores_decoded_media_through_the_stage(model_dir):
+    from PIL import Image
+
+    engine = await _started(model_dir)
+    try:
+        image = Image.new("RGB", (2, 2))
+        media = MultiModalInputs(images=(MediaItem(b"\x00garbage", "image/png"),), decoded={"image": [image]})
+        (res,) = await asyncio.wait_for(engine.score([_request(ids=(3, IMAGE, 4, 5), media=media, hidden=True)]),
+                                        BOUND_S)
+        assert res.logprobs.tolist() == [-2.0, -3.0] and res.topk_ids.tolist() == [[7, 8]] * 2
+        assert res.hidden_states.shape == (2, 4) and res.hidden_states.dtype == torch.bfloat16
+        assert engine._omni.received_prompts[-1]["multi_modal_data"]["image"] == [image]
+        assert engine.describe().max_tokens == 63 and engine.describe().max_model_len == 64
+    finally:
+        await engine.close()
+
+
+def _fake_omni_output(ids, hidden_chunks, k=2, key="latent", on_completion=True):
+    """An OmniRequestOutput-shaped object: request_output.prompt_logprobs + multimodal_output."""
+    from vllm.logprobs import FlatLogprobs
+
+    flat = FlatLogprobs()
+    flat.append(None)
+    for i in range(1, len(ids)):
+        cands = [ids[i], 7, 8][: k + 1]
+        flat.append_fast(cands, [-float(i), -0.1, -0.2][: k + 1], iter([3, 1, 2][: k + 1]), [None] * (k + 1))
+    payload = {key: hidden_chunks if len(hidden_chunks) > 1 else hidden_chunks[0]}
+    completion = SimpleNamespace(multimodal_output=payload if on_completion else None)
+    request_output = SimpleNamespace(prompt_logprobs=flat, outputs=[completion],
+                                     multimodal_output=None if on_completion else payload)
+    return SimpleNamespace(request_id="x", stage_id=0, final_output_type="text", request_output=request_output)
+
+
+def test_omni_hidden_states_from_chunked_multimodal_output():
+    states = torch.randn(6, 4)
+    out = stage_output(_fake_omni_output(list(range(6)), [states[:4], states[4:]]))
+    torch.testing.assert_close(extract_hidden(out, 6), states)
+    out = stage_output(_fake_omni_output(list(range(6)), [states], key="hidden", on_completion=False))
+    torch.testing.assert_close(extract_hidden(out, 6), states)
+    with pytest.raises(EngineError, match="shape"):
+        extract_hidden(out, 7)
+    with pytest.raises(EngineError, match="engine_output_type"):
+        extract_hidden(SimpleNamespace(outputs=[], multimodal_output={}), 6)
+
+
+async def test_omni_engine_scores_through_a_fake_async_omni():
+    ids = [3, 9, 4, 5, 6]
+    states = torch.randn(5, 4)
+
+    class RecordingOmni:  # AsyncOmni.generate(prompt, request_id, sampling_params_list=[...])
+        def __init__(self):
+            self.calls = []
+
+        async def generate(self, prompt, request_id, sampling_params_list=None):
+            self.calls.append((prompt, request_id, sampling_params_list))
+            yield _fake_omni_output(prompt["prompt_token_ids"], [states[:2], states[2:]])
+
+    engine = VllmOmniEngine(_omni_spec())
+    engine._omni, engine._started, engine._dtype = RecordingOmni(), True, torch.bfloat16
+    (res,) = await engine.score([_request("o", ids, hidden=True)])
+    assert res.logprobs.tolist() == [-2.0, -3.0, -4.0]
+    assert res.topk_ids.tolist() == [[7, 8]] * 3
+    assert res.hidden_states.dtype == torch.bfloat16
+    torch.testing.assert_close(res.hidden_states, states[1:4].to(torch.bfloat16))
+    prompt, rid, (params,) = engine._omni.calls[0]
+    assert prompt == {"prompt_token_ids": ids}
+    assert rid.startswith("o-") and params.prompt_logprobs == 2 and params.max_tokens == 1
+    assert params.detokenize is False
+
+
+# --------------------------------------------------------------------------------------------
+# Faults
+# --------------------------------------------------------------------------------------------
+
+
+async def test_omni_abort_stops_the_request_in_the_stage(model_dir):
+    engine = await _started(model_dir)
+    try:
+        slow = _request("slow", ids=(3, SLOW, 4))
+        scoring = asyncio.create_task(engine.score([slow, _request("quick")]))
+        await _until(lambda: slow.key in engine._engine_ids and bool(engine._omni.request_states))
+        await engine.abort([slow.key])
+        aborted, quick = await asyncio.wait_for(scoring, BOUND_S)
+        assert isinstance(aborted, RequestAborted) and quick.logprobs is not None
+        await _until(lambda: any(r.startswith("slow-") for r in engine._omni.stage_aborted))
+        assert engine._engine_ids == {} and engine._running == {} and await engine.check_health()
+    finally:
+        await engine.close()
+
+
+async def test_omni_cancelled_score_stops_the_request_in_the_stage(model_dir):
+    engine = await _started(model_dir)
+    try:
+        scoring = asyncio.create_task(engine.score([_request("gone", ids=(3, SLOW, 4))]))
+        await _until(lambda: bool(engine._omni.request_states))
+        scoring.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(scoring, BOUND_S)
+        await _until(lambda: any(r.startswith("gone-") for r in engine._omni.stage_aborted))
+        assert engine._engine_ids == {} and engine._running == {}
+    finally:
+        await engine.close()
+
+
+async def test_omni_killed_stage_fails_inflight_requests_and_health(model_dir):
+    engine = await _started(model_dir)
+    try:
+        assert engine._omni.stage_pid in engine._stage_procs  # the stage process is watched
+        assert await engine.check_health()
+        scoring = asyncio.create_task(engine.score([_request("a", ids=(3, SLOW, 4)), _request("b", ids=(5, SLOW))]))
+        await _until(lambda: len(engine._omni.request_states) == 2)
+        os.kill(engine._omni.stage_pid, signal.SIGKILL)
+        started = time.monotonic()
+        outcomes = await asyncio.wait_for(scoring, BOUND_S)
+        assert time.monotonic() - started < 3 * omni_mod.STAGE_POLL_S + 1
+        for outcome in outcomes:
+            assert isinstance(outcome, EngineError)
+            assert f"stage process {engine._omni.stage_pid} exited" in str(outcome)
+        assert not await engine.check_health()
+        with pytest.raises(EngineError, match="exited"):
+            await engine.score([_request("c")])
+    finally:
+        await asyncio.wait_for(engine.close(), BOUND_S)
+
+
+async def test_omni_startup_deadline_fails_with_the_log_tail(model_dir, monkeypatch):
+    """A stage that never becomes ready under a vLLM-Omni whose start never returns."""
+    monkeypatch.setattr(omni_mod, "STARTUP_GRACE_S", 0.2)
+    engine = _FakedEngine(_omni_spec(model_dir, startup_timeout_s=1.0, max_model_len=64))
+    engine.omni_cls = fake_omni(hang_init=True, stage_ready=False)
+    before = len(FakeAsyncOmni.instances)
+    started = time.monotonic()
+    with pytest.raises(EngineError, match=r"within 1s \(startup_timeout_s\)") as caught:
+        await asyncio.wait_for(engine.start(), BOUND_S)
+    assert time.monotonic() - started < 3
+    assert "waiting for stage-0 to become ready" in str(caught.value)
+    await _until(lambda: len(FakeAsyncOmni.instances) > before)
+    stage = FakeAsyncOmni.instances[-1]._proc
+    stage.join(timeout=BOUND_S)
+    assert not stage.is_alive()  # the stage it spawned was killed, not left holding a device
+
+
+async def test_omni_startup_passes_the_deadline_to_vllm_omni(model_dir, monkeypatch):
+    monkeypatch.setattr(omni_mod, "STARTUP_GRACE_S", 30.0)  # vLLM-Omni's own timeout must fire first
+    engine = _FakedEngine(_omni_spec(model_dir, startup_timeout_s=1.0, max_model_len=64))
+    engine.omni_cls = fake_omni(stage_ready=False)
+    started = time.monotonic()
+    with pytest.raises(EngineError, match="TimeoutError: Orchestrator did not become ready within 1s"):
+        await asyncio.wait_for(engine.start(), BOUND_S)
+    assert time.monotonic() - started < 5
+
+
+async def test_omni_request_errors_are_the_requests_and_engine_errors_the_replicas(model_dir):
+    from PIL import Image
+
+    engine = await _started(model_dir, fake_omni(stage_max_model_len=32))
+    try:
+        image = MultiModalInputs(images=(MediaItem(b"x", "image/png"),), decoded={"image": [Image.new("RGB", (2, 2))]})
+        batch = [
+            _request("good"),
+            _request("long", ids=tuple(range(1, 41))),  # over the stage's max_model_len
+            _request("placeholders", ids=(3, 4, 5), media=image),  # no IMAGE token for the image
+            _request("stage400", ids=(3, CLIENT_ERROR, 4)),
+            _request("topk", topk=17),  # over the teacher's 16
+        ]
+        good, long, placeholders, stage400, topk = await asyncio.wait_for(engine.score(batch), BOUND_S)
+        assert good.logprobs is not None
+        assert isinstance(long, RequestRejected) and long.field == "token_ids" and "maximum model length" in long.message
+        assert isinstance(placeholders, RequestRejected) and placeholders.field == "images"
+        assert isinstance(stage400, RequestRejected) and "audio" in stage400.message
+        assert isinstance(topk, RequestRejected) and topk.field == "topk"
+        assert await engine.check_health()
+        ok, bad = await asyncio.wait_for(engine.score([_request("ok"), _request("bad", ids=(3, ENGINE_ERROR))]), BOUND_S)
+        assert ok.logprobs is not None
+        assert isinstance(bad, EngineError) and "EngineGenerateError: CUDA error" in str(bad)
+    finally:
+        await engine.close()
+
+
+def test_omni_classification_of_0_18_runtime_errors():
+    """0.18.0 raises RuntimeError(<orchestrator error dict>) for every stage error."""
+    req = _request(media=MultiModalInputs(videos=(MediaItem(b"v", "video/mp4"),)))
+    err = RuntimeError({"request_id": "r", "stage_id": 0, "error": "video frames could not be sampled"})
+    rejected = classify_stage_error(err, req)
+    assert isinstance(rejected, RequestRejected)
+    assert rejected.field == "videos" and "frames" in rejected.message
+    kwargs = RuntimeError({"request_id": "r", "stage_id": 0, "error": "got an unexpected keyword argument 'fsp'"})
+    assert classify_stage_error(kwargs, req).field == "mm_processor_kwargs"
+    nccl = classify_stage_error(RuntimeError({"request_id": "r", "error": "NCCL communicator aborted"}), req)
+    assert isinstance(nccl, EngineError) and "NCCL" in str(nccl)
+    dead = classify_stage_error(type("EngineDeadError", (RuntimeError,), {})("prompt too long"), req)
+    assert isinstance(dead, EngineError)
