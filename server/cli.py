@@ -51,7 +51,9 @@ def serve(
     dtype: str = typer.Option("auto", help="auto | float32 | bfloat16 | float16"),
     max_topk: int = typer.Option(64, help="Largest top-k a request may ask for."),
     max_model_len: int | None = typer.Option(None, help="Longest sequence (default: the model's)."),
-    replicas: int = typer.Option(1, help="In-process replicas of the teacher."),
+    replicas: int = typer.Option(1, help="Replicas of the teacher (vLLM engines each run in a host process of their own)."),
+    health_check_interval_s: float = typer.Option(5.0, help="Seconds between health sweeps of the replicas."),
+    startup_timeout_s: float = typer.Option(1800.0, help="Seconds a replica may take to start before it fails with its log tail."),
     inference: list[str] = typer.Option([], "--inference", help="Engine setting KEY=VALUE (value parsed as JSON when it can be), e.g. gpu_memory_utilization=0.2; repeatable."),
     teacher_name: str = typer.Option("default", help="Name (and routing key) of the teacher."),
     auth_token_file: Path | None = typer.Option(None, help="File holding the bearer token required on scoring calls."),
@@ -66,7 +68,7 @@ def serve(
 ) -> None:
     """Serve a teacher over gRPC and HTTP until SIGTERM (then drain and exit 0)."""
     from proctor.server.auth import load_token
-    from proctor.server.engines import EngineSpec
+    from proctor.server.engines import EngineError, EngineSpec
     from proctor.server.runtime import ProctorServer, ServerOptions, single_teacher_router
     from proctor.server.service import Limits
     from proctor.server.tiny_model import ensure_default_model
@@ -86,8 +88,11 @@ def serve(
         settings = _parse_settings(inference)
         if max_model_len:
             settings["max_model_len"] = max_model_len
-        spec = EngineSpec(name=engine, model_path=str(path), device=device, dtype=dtype, max_topk=max_topk, inference=settings)
-        router = single_teacher_router(spec, name=teacher_name, replicas=replicas)
+        hidden_states = settings.pop("hidden_states", True) is not False
+        spec = EngineSpec(name=engine, model_path=str(path), device=device, dtype=dtype, max_topk=max_topk,
+                          inference=settings, hidden_states=hidden_states, startup_timeout_s=startup_timeout_s)
+        router = single_teacher_router(spec, name=teacher_name, replicas=replicas,
+                                       health_check_interval_s=health_check_interval_s)
         options = ServerOptions(host=host or "127.0.0.1", grpc_port=50051 if grpc_port is None else grpc_port,
                                 http_port=8000 if http_port is None else http_port,
                                 auth_token=load_token(token_file=str(auth_token_file) if auth_token_file else None),
@@ -97,7 +102,12 @@ def serve(
         sys.setswitchinterval(switch_interval_ms / 1000)
         server = ProctorServer(router, options)
         print(f"proctor: gRPC on {options.host}:{server.grpc_port}, HTTP on {options.host}:{server.http_port}", flush=True)
-        return await server.serve_forever()
+        try:
+            return await server.serve_forever()
+        except EngineError as exc:  # a replica could not start: say why, release the others, exit 1
+            print(f"proctor: cannot serve: {exc}", file=sys.stderr, flush=True)
+            await server.stop()
+            return 1
 
     sys.exit(asyncio.run(main()))
 

@@ -319,8 +319,11 @@ class Teacher:
 class Router:
     """teacher_key -> Teacher. With one teacher the key is optional; otherwise it is required."""
 
-    def __init__(self, teachers: list[Teacher]) -> None:
+    def __init__(self, teachers: list[Teacher], *, on_close: tuple[Callable[[], None], ...] = ()) -> None:
         self.teachers = {t.name: t for t in teachers}
+        # Releases what the replicas were placed on (the Ray pool's placement groups), after
+        # every replica has stopped.
+        self.on_close = on_close
         self._by_key: dict[str, Teacher] = {}
         for teacher in teachers:
             for key in teacher.keys:
@@ -328,6 +331,15 @@ class Router:
                     raise ValueError(f"routing key {key!r} is claimed by two teachers")
                 self._by_key[key] = teacher
             self._by_key.setdefault(teacher.name, teacher)
+
+    async def stop(self) -> None:
+        """Stop every teacher's replicas, then release their placement."""
+        await asyncio.gather(*(t.stop() for t in self.teachers.values()))
+        for release in self.on_close:
+            try:
+                release()
+            except Exception:
+                log.exception("releasing the replicas' placement failed")
 
     def attach_metrics(self, metrics: Any) -> None:
         """Let every teacher count into the service's metrics (weight swaps)."""

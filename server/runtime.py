@@ -13,6 +13,7 @@ import logging
 import signal
 import socket
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,8 +47,10 @@ class ServerOptions:
     metrics_port: int | None = None
 
 
-def single_teacher_router(spec: EngineSpec, *, name: str = "default", replicas: int = 1) -> Router:
-    """A router over one teacher with `replicas` in-process engine replicas."""
+def single_teacher_router(
+    spec: EngineSpec, *, name: str = "default", replicas: int = 1, health_check_interval_s: float | None = 5.0
+) -> Router:
+    """A router over one teacher with `replicas` replicas (vLLM engines each in a host process)."""
 
     def factory_for(replica_id: str):
         async def build():
@@ -56,7 +59,36 @@ def single_teacher_router(spec: EngineSpec, *, name: str = "default", replicas: 
         return build
 
     ids = [f"{name}-{i}" for i in range(replicas)]
-    return Router([Teacher(name, [Replica(i, factory_for(i)) for i in ids])])
+    replica_set = [Replica(i, factory_for(i)) for i in ids]
+    return Router([Teacher(name, replica_set, health_check_interval_s=health_check_interval_s)])
+
+
+HTTP_CLOSE_GRACE_S = 5.0
+
+
+def _listening_socket(host: str, port: int) -> socket.socket:
+    """The HTTP listening socket. Its protocol must be IPPROTO_TCP, not 0: asyncio sets
+    TCP_NODELAY on an accepted socket only when `sock.proto == IPPROTO_TCP` (uvicorn does not
+    set it at all), and accepted sockets inherit the listener's proto. Without it every
+    keep-alive answer written in two parts (headers, then body) waits for the client's
+    delayed ACK (Nagle's algorithm): about 40 ms per request on Linux."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
+class _HttpServer(uvicorn.Server):
+    """uvicorn without its signal handlers: `Server.serve` wraps the server in
+    `capture_signals()`, which replaces the process's SIGTERM/SIGINT handlers with one that
+    stops HTTP at once (new connections refused, in-flight requests cut after
+    timeout_graceful_shutdown) and re-raises the signal afterwards. ProctorServer owns the
+    signals: it drains first, with both transports still answering UNAVAILABLE / 503."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
 
 
 class ProctorServer:
@@ -88,13 +120,13 @@ class ProctorServer:
                 import ssl as ssl_module
 
                 ssl.update(ssl_ca_certs=options.tls_client_ca_file, ssl_cert_reqs=ssl_module.CERT_REQUIRED)
-        self._http_socket = socket.socket(socket.AF_INET6 if ":" in options.host else socket.AF_INET)
-        self._http_socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._http_socket.bind((options.host, options.http_port))
+        self._http_socket = _listening_socket(options.host, options.http_port)
         self.http_port = self._http_socket.getsockname()[1]
-        config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=5, **ssl)
-        self.http = uvicorn.Server(config)
-        self.http.install_signal_handlers = lambda: None  # we own the signals
+        # Drain happens before the HTTP server is told to stop (drain_and_stop), so its own
+        # graceful shutdown only has answers already computed left to write.
+        config = uvicorn.Config(app, log_level="warning", lifespan="off",
+                                timeout_graceful_shutdown=HTTP_CLOSE_GRACE_S, **ssl)
+        self.http = _HttpServer(config)
         self._http_task: asyncio.Task | None = None
         self._metrics_server = None
         self.metrics_port: int | None = None

@@ -106,7 +106,7 @@ class ScoringService:
 
     async def stop(self) -> None:
         self.state = ServiceState.STOPPED
-        await asyncio.gather(*(t.stop() for t in self.router.teachers.values()))
+        await self.router.stop()
 
     async def drain(self, grace_s: float) -> bool:
         """Stop admitting, then wait up to grace_s for admitted requests; True when all finished."""

@@ -84,6 +84,7 @@ class SubprocessEngine(TeacherEngine):
         self._budget = 8192
         self._unembedding: torch.Tensor | None = None
         self._exit: str | None = None
+        self._suspect = False  # a health check or call failed: close kills at once, no goodbye
 
     # -- lifecycle -------------------------------------------------------------------------
     @property
@@ -132,7 +133,7 @@ class SubprocessEngine(TeacherEngine):
         proc = self._proc
         if proc is None:
             return
-        if proc.returncode is None and self._writer is not None:
+        if proc.returncode is None and self._writer is not None and not self._suspect:
             with contextlib.suppress(Exception):
                 self._send(("close",))
                 await asyncio.wait_for(proc.wait(), CLOSE_GRACE_S)
@@ -186,7 +187,8 @@ class SubprocessEngine(TeacherEngine):
                     self._ready.set_result((message[1], message[2]))
             elif kind == "start_failed":
                 if not self._ready.done():
-                    self._ready.set_exception(EngineError(f"{self.name}: engine failed to start: {message[1]}"))
+                    self._ready.set_exception(EngineError(
+                        f"{self.name}: engine failed to start: {message[1]}; its last output:\n{self.log_tail()}"))
             else:
                 future = self._calls.get(message[1])
                 if future is None or future.done():
@@ -228,7 +230,11 @@ class SubprocessEngine(TeacherEngine):
         return self._budget
 
     async def score(self, batch: list[EngineRequest]) -> list[Outcome]:
-        return await self._call("score", batch)
+        try:
+            return await self._call("score", batch)
+        except EngineError:
+            self._suspect = True
+            raise
 
     async def abort(self, request_keys: list[str]) -> None:
         with contextlib.suppress(EngineError):
@@ -238,9 +244,11 @@ class SubprocessEngine(TeacherEngine):
         if self._exit is not None or self._proc is None:
             return False
         try:
-            return bool(await self._call("health", timeout=self.health_timeout_s))
+            healthy = bool(await self._call("health", timeout=self.health_timeout_s))
         except (EngineError, asyncio.TimeoutError):
-            return False
+            healthy = False
+        self._suspect = self._suspect or not healthy
+        return healthy
 
     def unembedding(self) -> torch.Tensor:
         """Read here from the checkpoint, as the hosted engine itself does (vLLM's weights live

