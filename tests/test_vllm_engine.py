@@ -192,17 +192,57 @@ async def test_unembedding_is_the_lm_head(vllm_engine, torch_engine):
 
 @pytest.mark.vllm
 @session_loop
-async def test_requests_beyond_the_engine_are_refused(vllm_engine):
+async def test_requests_beyond_the_engine_are_that_requests_error_only(vllm_engine):
     ids = _sequences(1, 10)[0]
-    with pytest.raises(ValueError, match="topk"):
-        await vllm_engine.score([_request(0, ids, topk=65)])
     from proctor.server.engines.base import MediaItem, MultiModalInputs
 
     media = MultiModalInputs(images=(MediaItem(b"x", "image/png"),))
-    req = EngineRequest(request_id="m", token_ids=ids, first_row=1, logprobs=True, topk=0, hidden_states=False,
-                        media=media)
-    with pytest.raises(ValueError, match="vllm_omni"):
-        await vllm_engine.score([req])
+    with_media = EngineRequest(request_id="m", token_ids=ids, first_row=1, logprobs=True, topk=0,
+                               hidden_states=False, media=media)
+    too_long = _request(2, torch.randint(3, 512, (2048,)))  # max_model_len tokens: no slot for the output
+    fine = _request(3, ids)
+    outcomes = await vllm_engine.score([_request(0, ids, topk=65), with_media, too_long, fine])
+    assert [type(o).__name__ for o in outcomes] == ["RequestRejected"] * 3 + ["EngineResult"]
+    assert [o.field for o in outcomes[:3]] == ["topk", "images", "token_ids"]
+    assert await vllm_engine.check_health()
+
+
+@pytest.mark.vllm
+@session_loop
+async def test_vllms_own_validation_error_is_a_request_error(vllm_engine):
+    """Past proctor's own checks, vLLM's VLLMValidationError (a prompt of max_model_len tokens)
+    is still that request's INVALID_ARGUMENT, never a replica failure."""
+    from proctor.server.engines.vllm_common import classify_error
+
+    request = _request(0, torch.randint(3, 512, (2048,)))
+    with pytest.raises(Exception) as raised:  # noqa: PT011 (whatever vLLM raises is what is classified)
+        await vllm_engine._score_one(request)
+    outcome = classify_error(request, raised.value)
+    assert type(outcome).__name__ == "RequestRejected" and outcome.field == "token_ids", raised.value
+    assert await vllm_engine.check_health()
+
+
+@pytest.mark.vllm
+@session_loop
+async def test_abort_of_running_requests_stops_them_in_vllm(vllm_engine):
+    long = [_request(i, torch.randint(3, 512, (2000,), generator=torch.Generator().manual_seed(i)), topk=8)
+            for i in range(8)]
+    short = _request(99, _sequences(1, 30)[0])
+    output = vllm_engine._llm.output_processor
+    task = asyncio.ensure_future(vllm_engine.score([*long, short]))
+    while output.get_num_unfinished_requests() < len(long) + 1:
+        await asyncio.sleep(0.001)
+    await vllm_engine.abort([r.key for r in long])
+    outcomes = await task
+    aborted = [r.key for r, o in zip(long, outcomes, strict=False) if type(o).__name__ == "RequestAborted"]
+    assert aborted, "no request was aborted"
+    assert set(aborted) <= set(vllm_engine.aborted)
+    assert type(outcomes[-1]).__name__ == "EngineResult"  # the others of the batch are scored as usual
+    for _ in range(100):  # vLLM drops aborted requests from its own bookkeeping
+        if output.get_num_unfinished_requests() == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert output.get_num_unfinished_requests() == 0
     assert await vllm_engine.check_health()
 
 
