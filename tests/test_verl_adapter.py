@@ -173,8 +173,15 @@ def test_media_items_become_bytes_with_a_type():
 
     png = media_item(Image.new("RGB", (2, 2)), "images")
     assert png.media_type == "image/png" and png.data.startswith(b"\x89PNG")
-    audio = media_item((np.zeros(16, dtype=np.float32), 16000), "audios")
-    assert audio.media_type == "application/x-npy" and np.load(__import__("io").BytesIO(audio.data)).shape == (16,)
+    waveform = np.linspace(-1, 1, 16, dtype=np.float32)
+    audio = media_item((waveform, 24000), "audios")
+    assert audio.media_type == "application/x-npy; rate=24000"
+    # What the server decodes from it: the waveform at its own rate, not a default one.
+    from proctor.server.engines.base import MediaItem
+    from proctor.server.media import decode_audio
+
+    samples, rate = decode_audio(MediaItem(audio.data, audio.media_type))
+    assert rate == 24000 and np.array_equal(samples, waveform)
     assert media_item(b"RIFF....WAVE", "audios").media_type == "audio/wav"
     with pytest.raises(ValueError, match="media type"):
         media_item(b"????", "videos")

@@ -86,7 +86,7 @@ def media_item(item: Any, kind: str) -> Media:
         item.save(buffer, format="PNG")
         return Media(buffer.getvalue(), "image/png")
     if isinstance(item, tuple) and len(item) == 2 and not isinstance(item[1], str):  # (waveform, rate)
-        return Media(_npy(item[0]), "application/x-npy")
+        return Media(_npy(item[0]), f"application/x-npy; rate={int(item[1])}")  # the rate travels too
     if hasattr(item, "shape"):
         return Media(_npy(item), "application/x-npy")
     raise ValueError(f"{kind}: unsupported media item of type {type(item).__name__}")
