@@ -3,6 +3,7 @@
 #   bench/gpu_check.sh                      # vllm vs torch on a small local model (made here)
 #   MODEL=/models/Qwen3-0.6B bench/gpu_check.sh
 #   OMNI_MODEL=/models/Qwen3-Omni-30B-A3B-Instruct OMNI_PIPELINE=qwen3_omni_moe bench/gpu_check.sh
+#   bench/gpu_check.sh loss                 # the loss bench's GPU rows (forward KL, reverse KL, JSD)
 #
 # Installs vllm (and vllm-omni when OMNI_MODEL is set) if missing, then scores the same sequences
 # with the torch engine and the vLLM engine and prints the largest differences of actual-token
@@ -15,6 +16,21 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
 export DTYPE=${DTYPE:-float32} DEVICE=${DEVICE:-cuda} GPU_UTIL=${GPU_UTIL:-0.3}
+
+if [ "${1:-}" = loss ]; then
+  # Full-vocabulary losses on the GPU: dense, per-token fused, reduced fused (torch.compile'd tile math),
+  # and Liger-Kernel / cut-cross-entropy where they install (their rows say why not otherwise).
+  # LOSS_ARGS adds bench options, e.g. LOSS_ARGS="--n 16384 --v 151936".
+  for pkg in liger_kernel:liger-kernel cut_cross_entropy:cut-cross-entropy; do
+    "$PYTHON" -c "import ${pkg%%:*}" 2>/dev/null || "$PYTHON" -m pip install -q "${pkg##*:}" \
+      || echo "${pkg##*:} did not install; its rows will say unavailable" >&2
+  done
+  for direction in forward reverse jsd; do
+    # shellcheck disable=SC2086
+    "$PYTHON" bench/loss_bench.py --device "$DEVICE" --direction "$direction" ${LOSS_ARGS:-}
+  done
+  exit 0
+fi
 
 if [ "$DEVICE" != cpu ] && ! "$PYTHON" -c "import vllm, torch; assert torch.cuda.is_available()" 2>/dev/null; then
   echo "installing vllm (CUDA build) ..." >&2

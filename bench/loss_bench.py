@@ -1,4 +1,4 @@
-"""Full-vocabulary KL: dense vs teacher-chunked vs fully fused, forward + backward.
+"""Full-vocabulary KL: dense vs teacher-chunked vs fully fused (per-token and reduced), forward + backward.
 
 One run prints one table. Each variant runs in a fresh subprocess, so its peak
 extra memory is honest: on CPU the RSS high-water mark (``ru_maxrss``) after the
@@ -7,11 +7,18 @@ minus the allocation after the inputs exist. Ratios are to (a), the dense torch
 reference; "x floor" is the time over the matmul floor, 4 × 2·N·H·V flops
 (student and teacher logits forward, the two student gradient matmuls
 backward) at the rate ``torch.mm`` reaches for an ``[N, H] @ [H, V]`` product on
-the same machine in the same run.
+the same machine in the same run. "mm work" is the matrix-product work of one
+forward + backward in units of 2·N·H·V, counted at the dispatcher (``MatmulWork``)
+on a small shape: the machine-independent figure (the reduced loss forms its
+gradients in the forward pass: 4, the floor; the per-token loss recomputes tiles
+in its backward: 6, or 8 for the JSD). Liger-Kernel and cut-cross-entropy rows run
+where they install (CUDA); cut-cross-entropy is a student-only cross-entropy on
+hard labels, a timing reference for a fused linear loss rather than the same loss.
 
     python bench/loss_bench.py                    # N=4096 H=1024 V=32768 on CPU
     python bench/loss_bench.py --device cuda --n 16384 --v 151936
     python bench/loss_bench.py --quick            # small smoke run
+    python bench/loss_bench.py --device cuda --direction jsd
 """
 
 from __future__ import annotations
@@ -27,9 +34,15 @@ import time
 VARIANTS = {
     "dense": "(a) dense torch reference",
     "teacher_chunked": "(b) teacher chunked, student dense",
-    "fused": "(c) fully fused (both sides chunked)",
-    "liger": "(d) Liger-Kernel fused linear JSD",
+    "fused": "(c) fully fused, per-token",
+    "reduced": "(d) fully fused, reduced (grads in fwd)",
+    "liger": "(e) Liger-Kernel LigerFusedLinearJSD",
+    "liger_chunked": "(f) Liger-Kernel LigerFusedLinearJSDLoss",
+    "cce": "(g) cut-cross-entropy (student CE only)",
 }
+# Variants that exist only as CUDA (Triton) kernels in third-party packages.
+EXTERNAL = {"liger": "liger_kernel", "liger_chunked": "liger_kernel", "cce": "cut_cross_entropy"}
+COUNT_SHAPE = (256, 64, 2048)  # N, H, V of the matmul-work count
 
 
 def _parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -79,8 +92,9 @@ def _make_step(variant: str, args: argparse.Namespace, sh, sw, th, tw):
     import torch
 
     kw = dict(direction=args.direction, chunk_tokens=args.chunk_tokens, chunk_vocab=args.chunk_vocab)
-    from proctor.client.loss import full_vocab_kl
+    from proctor.client.loss import full_vocab_kl, full_vocab_kl_reduced
 
+    beta = {"forward": 0.0, "reverse": 1.0, "jsd": 0.5}[args.direction]
     if variant == "dense":
 
         def step():
@@ -113,10 +127,42 @@ def _make_step(variant: str, args: argparse.Namespace, sh, sw, th, tw):
             total.backward()
             return total.item()
 
+    elif variant == "reduced":
+        weights = torch.ones(sh.shape[0], device=sh.device)
+
+        def step():
+            total = full_vocab_kl_reduced(th, tw, weights, student_hidden=sh, student_weight=sw, **kw).total
+            total.backward()
+            return total.item()
+
+    elif variant == "liger_chunked":
+        from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
+
+        try:
+            jsd = LigerFusedLinearJSDLoss(weight_hard_loss=0.0, weight_soft_loss=1.0, beta=beta)
+        except TypeError:  # releases without the hard/soft split
+            jsd = LigerFusedLinearJSDLoss(beta=beta)
+        labels = torch.zeros(sh.shape[0], dtype=torch.long, device=sh.device)
+
+        def step():
+            out = jsd(sh, sw, th, tw, labels)
+            total = (out[0] if isinstance(out, tuple) else out) * sh.shape[0]  # a token mean
+            total.backward()
+            return total.item()
+
+    elif variant == "cce":
+        from cut_cross_entropy import linear_cross_entropy
+
+        labels = torch.randint(0, sw.shape[0], (sh.shape[0],), device=sh.device)
+
+        def step():
+            total = linear_cross_entropy(sh, sw, labels, reduction="sum")
+            total.backward()
+            return total.item()
+
     elif variant == "liger":
         from liger_kernel.transformers import LigerFusedLinearJSD
 
-        beta = {"forward": 0.0, "reverse": 1.0, "jsd": 0.5}[args.direction]
         jsd = LigerFusedLinearJSD(jsd_beta=beta)
 
         def step():
@@ -136,9 +182,12 @@ def _child(args: argparse.Namespace) -> None:
     if args.variant == "matmul":
         _child_matmul(args)
         return
-    if args.variant == "liger":
+    if args.variant in EXTERNAL:
+        if not args.device.startswith("cuda"):
+            print(json.dumps({"unavailable": "a CUDA (Triton) kernel; run with --device cuda"}))
+            return
         try:
-            import liger_kernel  # noqa: F401
+            __import__(EXTERNAL[args.variant])
         except Exception as exc:  # report why, never fail the table
             print(json.dumps({"unavailable": f"{type(exc).__name__}: {exc}"}))
             return
@@ -196,6 +245,26 @@ def _child_matmul(args: argparse.Namespace) -> None:
     print(json.dumps({"flops_per_s": 2.0 * args.n * args.h * args.v / best}))
 
 
+def matmul_work(variant: str, args: argparse.Namespace) -> float:
+    """Forward + backward matrix-product work of ``variant`` in units of 2·N·H·V, on CPU at COUNT_SHAPE."""
+    import torch
+
+    from proctor.client.loss import matmul_flops
+
+    n, h, v = COUNT_SHAPE
+    small = argparse.Namespace(**{**vars(args), "chunk_tokens": None, "chunk_vocab": None})
+    g = torch.Generator().manual_seed(0)
+    sh = torch.randn(n, h, generator=g).requires_grad_()
+    sw = (torch.randn(v, h, generator=g) * (2.0 / h**0.5)).requires_grad_()
+    th = torch.randn(n, h, generator=g)
+    tw = torch.randn(v, h, generator=g) * (2.0 / h**0.5)
+    # Tiles smaller than the shape, so that the per-token paths take several vocabulary chunks.
+    if variant in ("teacher_chunked", "fused"):
+        small.chunk_tokens, small.chunk_vocab = 64, 512
+    step = _make_step(variant, small, sh, sw, th, tw)
+    return matmul_flops(step) / (2.0 * n * h * v)
+
+
 # --------------------------------------------------------------------------- parent side
 
 
@@ -236,7 +305,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"every variant must return the student gradients ([N, H] + [V, H] float32 = {grads / 2**20:.0f} MiB); "
           "'work' is the peak beyond them")
     header = (f"{'variant':<40} {'time s':>8} {'x dense':>8} {'x floor':>8} {'peak MiB':>9} {'x dense':>8} "
-              f"{'work MiB':>9} {'x dense':>8}  check")
+              f"{'work MiB':>9} {'x dense':>8} {'mm work':>8}  check")
     print(header)
     print("-" * len(header))
     results = {}
@@ -246,23 +315,27 @@ def main(argv: list[str] | None = None) -> None:
         if "unavailable" in r:
             print(f"{label:<40} unavailable: {r['unavailable']}")
             continue
+        work_mm = f"{matmul_work(key, args):>8.2f}" if key not in EXTERNAL else f"{'n/a':>8}"
         dense = results.get("dense", {})
         t_ratio = r["time_s"] / dense["time_s"] if "time_s" in dense else float("nan")
         m_ratio = r["peak_extra_bytes"] / dense["peak_extra_bytes"] if "peak_extra_bytes" in dense else float("nan")
         work = max(0, r["peak_extra_bytes"] - grads)
         w_ratio = work / max(1, dense["peak_extra_bytes"] - grads) if "peak_extra_bytes" in dense else float("nan")
         check = ""
-        if "loss_sum" in dense and key != "dense":
+        if key == "cce":
+            check = "a different loss (hard-label CE): timing reference only"
+        elif "loss_sum" in dense and key != "dense":
             rel = abs(r["loss_sum"] - dense["loss_sum"]) / max(abs(dense["loss_sum"]), 1e-30)
             rel_g = abs(r["grad_w_norm"] - dense["grad_w_norm"]) / max(dense["grad_w_norm"], 1e-30)
             check = f"loss rel {rel:.1e}, |gW| rel {rel_g:.1e}"
         print(
             f"{label:<40} {r['time_s']:>8.3f} {t_ratio:>8.2f} {r['time_s'] / floor_s:>8.2f} "
-            f"{r['peak_extra_bytes'] / 2**20:>9.1f} {m_ratio:>8.3f} {work / 2**20:>9.1f} {w_ratio:>8.3f}  {check}"
+            f"{r['peak_extra_bytes'] / 2**20:>9.1f} {m_ratio:>8.3f} {work / 2**20:>9.1f} {w_ratio:>8.3f} {work_mm}  {check}"
         )
     print(f"load average at end {os.getloadavg()[0]:.2f} (other work on the machine inflates wall times)")
-    print("note: a per-token loss takes an arbitrary grad_output [N] (masks, weights), so grad_weight cannot be "
-          "formed in the forward pass: forward 2 + backward 4 matmuls = 1.5x the 4-matmul floor at best")
+    print(f"mm work: matrix-product flops of one forward + backward / (2 N H V), counted at N, H, V = {COUNT_SHAPE}")
+    print("note: (c) takes an arbitrary grad_output [N], so its backward recomputes every tile (6 matmuls, 8 for "
+          "the JSD); (d) takes the aggregation's weights up front and forms the gradients in the forward pass (4)")
 
 
 if __name__ == "__main__":

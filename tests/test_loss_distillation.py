@@ -172,7 +172,8 @@ def test_nitrobrew_reverse_kl_ignores_the_forward_only_clamp():
                             student_logits=case.student_logits)
     ref = full_vocab_kl(case.teacher_hidden, case.teacher_weight, student_logits=case.student_logits,
                         direction="reverse")
-    assert torch.equal(out.per_token_loss, ref)
+    # Supervised use takes the reduced path, whose per-token values agree to float32 rounding.
+    assert rel_err(out.per_token_loss, ref) <= 1e-6
 
 
 @pytest.mark.parametrize("mode,direction", [("topk_reverse_kl", "reverse"), ("topk_jsd", "jsd")])

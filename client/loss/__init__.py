@@ -8,17 +8,23 @@ both sides are given as hidden states and unembeddings.
 
 Families: ``sampled_kl`` (single-sample estimators), ``topk_kl`` (teacher's
 top-k), ``full_vocab_kl`` (exact, from teacher hidden states), plus the
-verl-compatible ``distillation_loss`` entry point.
+verl-compatible ``distillation_loss`` entry point. The vocabulary-wide losses
+have reduced forms (``full_vocab_kl_reduced``, ``topk_kl_reduced``) that take the
+aggregation's per-token weights (``aggregate_weights``) up front and form the
+gradients in the forward pass, at the matmul floor; ``MatmulWork`` counts that
+work.
 """
 
-from .aggregate import AGG_MODES, aggregate
+from .aggregate import AGG_MODES, aggregate, aggregate_weights
 from .chunking import Chunking
 from .distillation import DistillationOutput, distillation_loss
-from .full_vocab import full_vocab_kl
+from .full_vocab import full_vocab_kl, full_vocab_kl_reduced
 from .metrics import loss_metrics
+from .reduced import Reduced
 from .sampled import SAMPLED_MODES, sampled_kl
 from .settings import HIDDEN_STATE_MODES, LOSS_MODES, TOPK_MODES, LossSettings
-from .topk import topk_kl, topk_masses
+from .topk import topk_kl, topk_kl_reduced, topk_masses
+from .work import MatmulWork, matmul_flops
 
 __all__ = [
     "AGG_MODES",
@@ -29,11 +35,17 @@ __all__ = [
     "Chunking",
     "DistillationOutput",
     "LossSettings",
+    "MatmulWork",
+    "Reduced",
     "aggregate",
+    "aggregate_weights",
     "distillation_loss",
     "full_vocab_kl",
+    "full_vocab_kl_reduced",
     "loss_metrics",
+    "matmul_flops",
     "sampled_kl",
     "topk_kl",
+    "topk_kl_reduced",
     "topk_masses",
 ]

@@ -32,6 +32,57 @@ def _per_sequence(x: torch.Tensor, seq_index: torch.Tensor | None) -> torch.Tens
     return torch.zeros(size, dtype=x.dtype, device=x.device).index_add(0, idx, x)
 
 
+def aggregate_weights(
+    mask: torch.Tensor,
+    mode: str = "token-mean",
+    *,
+    seq_index: torch.Tensor | None = None,
+    dp_size: int = 1,
+    batch_num_tokens: float | torch.Tensor | None = None,
+    global_batch_size: float | torch.Tensor | None = None,
+    loss_scale_factor: float | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Per-token weights ``w`` (the mask's shape) with ``aggregate(loss, mask, mode, ...) = Σ w · loss``.
+
+    Every mode is linear in the per-token loss once the mask is known, so the
+    weights exist before the loss does: the reduced losses take them to form
+    their gradients in the forward pass. Masked tokens weigh 0. Where
+    ``aggregate`` divides by zero (no valid token or sequence) the weights are
+    not finite, as ``aggregate``'s value is NaN there.
+    """
+    if mode not in AGG_MODES:
+        raise ValueError(f"mode must be one of {AGG_MODES}, got {mode!r}")
+    if mask.dim() not in (1, 2):
+        raise ValueError(f"mask must be [N] or [B, T], got shape {tuple(mask.shape)}")
+    mf = mask.bool().to(dtype)
+    if mode == "token-mean":
+        if batch_num_tokens is None and dp_size > 1:
+            raise ValueError("batch_num_tokens is required when dp_size > 1")
+        denom = mf.sum() if batch_num_tokens is None else batch_num_tokens
+        return mf / denom * dp_size
+    if mode == "token-sum":
+        return mf * dp_size
+    seq_count = _per_sequence(mf, seq_index)
+    seq_valid = (seq_count > 0).to(dtype)
+    if global_batch_size is None:
+        if dp_size > 1:
+            raise ValueError("global_batch_size is required when dp_size > 1")
+        global_batch_size = seq_valid.sum()
+    per_seq = seq_valid / global_batch_size * dp_size
+    if mode == "seq-mean-token-mean":
+        per_seq = per_seq / (seq_count + 1e-8)
+    if mode == "seq-mean-token-sum-norm":
+        if loss_scale_factor is None:
+            if mask.dim() != 2:
+                raise ValueError("loss_scale_factor is required for seq-mean-token-sum-norm on a packed loss")
+            loss_scale_factor = mask.shape[-1]
+        per_seq = per_seq / loss_scale_factor
+    if mask.dim() == 2:
+        return mf * per_seq[:, None]
+    return mf * per_seq[seq_index.to(device=mf.device, dtype=torch.long)]
+
+
 def aggregate(
     loss: torch.Tensor,
     mask: torch.Tensor | None = None,
@@ -48,7 +99,9 @@ def aggregate(
     Masked tokens contribute nothing, to the value or to the gradient (they are
     selected out with ``where``, so even a non-finite masked loss stays out).
     ``dp_size`` / ``batch_num_tokens`` / ``global_batch_size`` /
-    ``loss_scale_factor`` mean what they mean in verl's ``agg_loss``.
+    ``loss_scale_factor`` mean what they mean in verl's ``agg_loss``. The
+    reduction is ``Σ aggregate_weights(mask, mode, ...) · loss``: one statement
+    of the modes for this function and for the reduced losses.
     """
     if mode not in AGG_MODES:
         raise ValueError(f"mode must be one of {AGG_MODES}, got {mode!r}")
@@ -59,29 +112,9 @@ def aggregate(
     if mask.shape != loss.shape:
         raise ValueError(f"mask has shape {tuple(mask.shape)} but loss has {tuple(loss.shape)}")
     m = mask.to(device=loss.device).bool()
+    weights = aggregate_weights(
+        m, mode, seq_index=seq_index, dp_size=dp_size, batch_num_tokens=batch_num_tokens,
+        global_batch_size=global_batch_size, loss_scale_factor=loss_scale_factor, dtype=loss.dtype,
+    )
     masked = torch.where(m, loss, torch.zeros((), dtype=loss.dtype, device=loss.device))
-    mf = m.to(loss.dtype)
-    if mode == "token-mean":
-        denom = mf.sum() if batch_num_tokens is None else batch_num_tokens
-        if batch_num_tokens is None and dp_size > 1:
-            raise ValueError("batch_num_tokens is required when dp_size > 1")
-        return masked.sum() / denom * dp_size
-    if mode == "token-sum":
-        return masked.sum() * dp_size
-    seq_count = _per_sequence(mf, seq_index)
-    seq_sum = _per_sequence(masked, seq_index)
-    seq_valid = (seq_count > 0).to(loss.dtype)
-    if global_batch_size is None:
-        if dp_size > 1:
-            raise ValueError("global_batch_size is required when dp_size > 1")
-        global_batch_size = seq_valid.sum()
-    if mode == "seq-mean-token-mean":
-        seq_sum = seq_sum / (seq_count + 1e-8)
-    out = (seq_sum * seq_valid).sum() / global_batch_size * dp_size
-    if mode == "seq-mean-token-sum-norm":
-        if loss_scale_factor is None:
-            if loss.dim() != 2:
-                raise ValueError("loss_scale_factor is required for seq-mean-token-sum-norm on a packed loss")
-            loss_scale_factor = loss.shape[-1]
-        out = out / loss_scale_factor
-    return out
+    return (masked * weights).sum()
