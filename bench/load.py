@@ -5,16 +5,24 @@ sent, answered, refused (RESOURCE_EXHAUSTED, the queue's pushback) and lost (any
 no answer, a wrong answer, an unexpected error). Lost must be 0.
 
     .venv/bin/python bench/load.py [--levels 1,16,128,512] [--requests 1024] [--seconds 30]
+    .venv/bin/python bench/load.py --engine vllm --replicas 2 --kill-after 3   # SIGKILL an EngineCore mid-run
+
+With `--kill-after S`, S seconds into each level the EngineCore process of one vLLM replica
+(alternating) is killed with SIGKILL; the row then also says which replica, and lost must still
+be 0 (its requests are retried on the other replica while it restarts).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
+import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -24,7 +32,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from proctor.proto import scoring_pb2, scoring_pb2_grpc
 from proctor.server.tiny_model import make_tiny_model
 
-from conftest import SubprocessServer
+from conftest import SubprocessServer, engine_cores
+
+
+def kill_engine_core(server: SubprocessServer, replica: str) -> str:
+    """SIGKILL the EngineCore of `replica` (once it is back up after an earlier kill)."""
+    deadline = time.monotonic() + 300
+    while (core := engine_cores(server).get(replica)) is None:
+        if time.monotonic() > deadline:
+            return "none"
+        time.sleep(0.5)
+    os.kill(core.pid, signal.SIGKILL)
+    return f"{replica} (pid {core.pid})"
 
 
 async def level(target: str, concurrency: int, total: int, seconds: float, length: int) -> dict:
@@ -69,16 +88,38 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=30, help="per level, at most")
     parser.add_argument("--length", type=int, default=64)
     parser.add_argument("--max-queue-requests", type=int, default=256)
+    parser.add_argument("--engine", default="torch", help="torch | vllm")
+    parser.add_argument("--replicas", type=int, default=1)
+    parser.add_argument("--kill-after", type=float, default=None,
+                        help="vllm: seconds into each level at which one replica's EngineCore is SIGKILLed")
     args = parser.parse_args()
-    model = make_tiny_model(Path(tempfile.mkdtemp(prefix="proctor-load-")) / "teacher")
-    server = SubprocessServer(["--model", str(model), "--no-verbose", "--max-queue-requests", str(args.max_queue_requests)])
+    vllm = args.engine == "vllm"
+    # vLLM's CPU attention needs head_dim >= 32.
+    model = make_tiny_model(Path(tempfile.mkdtemp(prefix="proctor-load-")) / "teacher",
+                            **({"num_heads": 2, "num_kv_heads": 1} if vllm else {}))
+    engine_args = ["--engine", "vllm", "--device", "cpu", "--max-model-len", "1024", "--max-topk", "8",
+                   "--inference", "gpu_memory_utilization=0.12", "--inference", "enforce_eager=true",
+                   "--health-check-interval-s", "1"] if vllm else ["--no-verbose"]
+    server = SubprocessServer(["--model", str(model), "--replicas", str(args.replicas), *engine_args,
+                               "--max-queue-requests", str(args.max_queue_requests)], startup_timeout=600)
     try:
-        print(f"tiny teacher, {args.length}-token sequences, top-4; queue limit {args.max_queue_requests} requests")
-        print(f"{'concurrency':>11} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'sent':>6} {'answered':>9} {'refused':>8} {'lost':>5}")
-        for concurrency in (int(x) for x in args.levels.split(",")):
+        print(f"tiny teacher on {args.replicas} {args.engine} replica(s), {args.length}-token sequences, top-4; "
+              f"queue limit {args.max_queue_requests} requests")
+        print(f"{'concurrency':>11} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'sent':>6} {'answered':>9} "
+              f"{'refused':>8} {'lost':>5}  killed")
+        for index, concurrency in enumerate(int(x) for x in args.levels.split(",")):
+            killed = "-"
+            if args.kill_after is not None:
+                killed_box: list[str] = []
+                timer = threading.Timer(args.kill_after, lambda r=f"default-{index % args.replicas}", box=killed_box:
+                                        box.append(kill_engine_core(server, r)))
+                timer.start()
             row = asyncio.run(level(server.grpc_target, concurrency, args.requests, args.seconds, args.length))
+            if args.kill_after is not None:
+                timer.join()
+                killed = killed_box[0] if killed_box else "not reached"
             print(f"{concurrency:>11} {row['rps']:>8.1f} {row['p50']:>8.1f} {row['p99']:>8.1f} {row['sent']:>6} "
-                  f"{row['answered']:>9} {row['refused']:>8} {row['lost']:>5}", flush=True)
+                  f"{row['answered']:>9} {row['refused']:>8} {row['lost']:>5}  {killed}", flush=True)
     finally:
         code = server.stop()
     print(f"server exit code after SIGTERM: {code}")

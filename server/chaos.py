@@ -13,7 +13,14 @@ import asyncio
 
 import torch
 
-from proctor.server.engines.base import EngineError, EngineInfo, EngineRequest, EngineResult, TeacherEngine
+from proctor.server.engines.base import (
+    EngineError,
+    EngineInfo,
+    EngineRequest,
+    EngineResult,
+    Outcome,
+    TeacherEngine,
+)
 
 
 class InjectedEngine(TeacherEngine):
@@ -72,7 +79,7 @@ class InjectedEngine(TeacherEngine):
     async def check_health(self) -> bool:
         return not (self.dead or self.frozen) and await self.inner.check_health()
 
-    async def score(self, batch: list[EngineRequest]) -> list[EngineResult]:
+    async def score(self, batch: list[EngineRequest]) -> list[Outcome]:
         if self.dead:
             raise EngineError("injected failure: replica is dead")
         await self._hang_if_frozen()
@@ -86,5 +93,8 @@ class InjectedEngine(TeacherEngine):
             raise EngineError("injected failure: replica died mid-batch")
         self.batches += 1
         self.requests += len(batch)
-        self.scored_ids.extend(r.request_id for r in batch)
+        self.scored_ids.extend(r.request_id for r, o in zip(batch, results, strict=True) if isinstance(o, EngineResult))
         return results
+
+    async def abort(self, request_keys: list[str]) -> None:
+        await self.inner.abort(request_keys)

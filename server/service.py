@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import json
 import logging
 import time
 import uuid
@@ -21,6 +20,7 @@ import numpy as np
 import torch
 
 from proctor.proto import scoring_pb2
+from proctor.server.bounded_json import loads_bounded
 from proctor.server.engines.base import EngineRequest, EngineResult, MediaItem, MultiModalInputs
 from proctor.server.errors import Code, ScoringError, invalid
 from proctor.server.media import MediaLimits, decode_media
@@ -225,10 +225,7 @@ class ScoringService:
     def _processor_kwargs(text: str) -> dict:
         if not text:
             return {}
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise invalid("mm_processor_kwargs", f"is not valid JSON ({exc.msg})") from exc
+        value = loads_bounded(text, field="mm_processor_kwargs")
         if not isinstance(value, dict):
             raise invalid("mm_processor_kwargs", "must be a JSON object")
         return value

