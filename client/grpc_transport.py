@@ -9,11 +9,12 @@ sees as CANCELLED and withdraws from its queue.
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
-from proctor.client.transports import TeacherError, Transport, make_error
+from proctor.client.transports import PAYLOAD_TOO_LARGE, TeacherError, Transport, make_error
 from proctor.proto import scoring_pb2, scoring_pb2_grpc
 
 
@@ -32,16 +33,24 @@ def _retry_hint(metadata: Sequence[tuple[str, str]] | None) -> float | None:
     return None
 
 
+# gRPC reports a message over grpc.max_{send,receive}_message_length, on either side, as
+# RESOURCE_EXHAUSTED with one of these details; unlike a full queue it can never pass later.
+_MESSAGE_TOO_LARGE = re.compile(r"(Received|Sent) message larger than max", re.IGNORECASE)
+
+
 def error_from_rpc(exc: grpc.aio.AioRpcError) -> TeacherError:
     code = exc.code()
     trailing = exc.trailing_metadata()
     hint = _retry_hint(list(trailing) if trailing else None)
+    details = exc.details() or code.name
+    if code is grpc.StatusCode.RESOURCE_EXHAUSTED and _MESSAGE_TOO_LARGE.search(details):
+        return make_error(PAYLOAD_TOO_LARGE, f"body: {details}", field="body")
     if code is grpc.StatusCode.CANCELLED:
         # Our own cancellations surface as asyncio.CancelledError, never as a status: a
         # CANCELLED status means the server dropped the call (it is stopping), so the
         # request is as retryable as any other UNAVAILABLE one.
-        return make_error("UNAVAILABLE", f"the server cancelled the call ({exc.details()})", retry_after=hint)
-    return make_error(code.name, exc.details() or code.name, retry_after=hint)
+        return make_error("UNAVAILABLE", f"the server cancelled the call ({details})", retry_after=hint)
+    return make_error(code.name, details, retry_after=hint)
 
 
 class GrpcTransport(Transport):

@@ -17,7 +17,7 @@ import httpx
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 
-from proctor.client.transports import TeacherError, Transport, make_error
+from proctor.client.transports import PAYLOAD_TOO_LARGE, TeacherError, Transport, make_error
 from proctor.proto import scoring_pb2
 from proctor.proto.framing import read_frames
 
@@ -26,7 +26,9 @@ TIMEOUT_HEADER = "x-request-timeout"
 # Extra time the client waits past the deadline it sent, so the server's own
 # DEADLINE_EXCEEDED (with its message) normally arrives before the client gives up.
 _DEADLINE_GRACE_S = 0.25
-_STATUS_CODES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND", 413: "RESOURCE_EXHAUSTED",
+# 413 is its own code, not RESOURCE_EXHAUSTED: a body too large is never retried (a proxy's
+# 413 carries no JSON error, so the status alone must say it).
+_STATUS_CODES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND", 413: PAYLOAD_TOO_LARGE,
                  422: "INVALID_ARGUMENT", 429: "RESOURCE_EXHAUSTED", 499: "CANCELLED", 500: "INTERNAL",
                  502: "UNAVAILABLE", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}
 
@@ -47,7 +49,9 @@ def error_from_response(response: httpx.Response) -> TeacherError:
     message, field = response.text[:500] or response.reason_phrase, None
     try:
         error = response.json()["error"]
-        code, message, field = error.get("code") or code, error.get("message") or message, error.get("field")
+        message, field = error.get("message") or message, error.get("field")
+        if code != PAYLOAD_TOO_LARGE:  # whatever the body claims, a 413 is final
+            code = error.get("code") or code
     except (ValueError, KeyError, TypeError):
         pass
     return make_error(code, message, field=field, retry_after=_retry_hint(response.headers))

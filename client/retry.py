@@ -1,7 +1,9 @@
 """Retries with exponential backoff and full jitter, bounded by the call's deadline.
 
-Only UNAVAILABLE and RESOURCE_EXHAUSTED are retried: they say "same request, later". Any
-other code is the caller's to see at once (a bad request stays bad). When the server sends a
+Only UNAVAILABLE and RESOURCE_EXHAUSTED (a full queue) are retried: they say "same request,
+later". Any other code is the caller's to see at once (a bad request stays bad), and so is a
+request too large for a message (HTTP 413, or gRPC's RESOURCE_EXHAUSTED "message larger than
+max"): the transports report it as PAYLOAD_TOO_LARGE, since it can never fit as sent. When the server sends a
 retry hint, the client waits at least that long (plus jitter, so that many trainers pushed
 back together do not return together). Scoring is idempotent, so a retried request that the
 server had in fact finished costs compute but never duplicates a result.

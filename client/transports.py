@@ -17,7 +17,10 @@ from typing import Any
 from proctor.proto import scoring_pb2
 
 # Codes that mean "the same request may succeed later": the only ones the client retries.
+# A request too large to send or receive is not among them (code PAYLOAD_TOO_LARGE: HTTP
+# 413, or gRPC's RESOURCE_EXHAUSTED "message larger than max"): it can never fit as sent.
 RETRYABLE_CODES = frozenset({"UNAVAILABLE", "RESOURCE_EXHAUSTED"})
+PAYLOAD_TOO_LARGE = "PAYLOAD_TOO_LARGE"
 _FIELD_PREFIX = re.compile(r"^([A-Za-z_][\w.\[\]-]*): ")
 
 
@@ -46,6 +49,11 @@ class InvalidArgument(TeacherError, ValueError):
     """The request is malformed; `field` says which part (never retried)."""
 
 
+class PayloadTooLarge(InvalidArgument):
+    """The request (or its answer) exceeds a message size limit; shrink it or use streaming
+    (never retried)."""
+
+
 class TeacherNotFound(TeacherError, LookupError):
     """No teacher serves the given key."""
 
@@ -72,6 +80,7 @@ class UnembeddingMismatch(TeacherError):
 
 _ERROR_TYPES: dict[str, type[TeacherError]] = {
     "INVALID_ARGUMENT": InvalidArgument,
+    PAYLOAD_TOO_LARGE: PayloadTooLarge,
     "NOT_FOUND": TeacherNotFound,
     "UNAUTHENTICATED": Unauthenticated,
     "UNAVAILABLE": Unavailable,
@@ -85,7 +94,7 @@ def make_error(
 ) -> TeacherError:
     """The most specific TeacherError for a status name; the field is read off the message
     ("token_ids: ...") when the transport did not carry it separately (gRPC has no slot)."""
-    if field is None and code in ("INVALID_ARGUMENT", "NOT_FOUND"):
+    if field is None and code in ("INVALID_ARGUMENT", "NOT_FOUND", PAYLOAD_TOO_LARGE):
         match = _FIELD_PREFIX.match(message)
         field = match.group(1) if match else None
     cls = _ERROR_TYPES.get(code, TeacherError)

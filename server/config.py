@@ -661,15 +661,62 @@ def parse_config(data: Any) -> tuple[ProctorConfig | None, list[str], list[str]]
         return None, problems, ignored
 
 
+class _YamlRefused(yaml.composer.ComposerError):
+    """A document _BoundedYamlLoader will not compose (too deep, too large, self-referring)."""
+
+    def __init__(self, problem: str, mark: yaml.Mark) -> None:
+        super().__init__(None, None, f"refused: {problem}", mark)
+
+
+class _BoundedYamlLoader(yaml.SafeLoader):
+    """A SafeLoader that refuses, while composing, documents nested deeper than MAX_DEPTH or
+    larger than MAX_NODES once every alias is expanded: a few lines of aliases ("billion
+    laughs") stand for billions of nodes that validation and hashing would walk, and deep
+    nesting exhausts the recursive composer. Sizes are counted per node and reused, so the
+    count itself stays linear in the text."""
+
+    MAX_DEPTH = 64
+    MAX_NODES = 100_000
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._sizes: dict[int, int] = {}  # id(node) -> nodes in its expansion
+        self._open: list[int] = [0]  # nodes so far below each node being composed
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
+        mark = self.peek_event().start_mark
+        if self.check_event(yaml.AliasEvent):
+            node = super().compose_node(parent, index)
+            size = self._sizes.get(id(node))
+            if size is None:
+                raise _YamlRefused("an alias refers to its own ancestor", mark)
+        else:
+            if len(self._open) > self.MAX_DEPTH:
+                raise _YamlRefused(f"nested deeper than {self.MAX_DEPTH} levels", mark)
+            self._open.append(0)
+            node = super().compose_node(parent, index)
+            size = 1 + self._open.pop()
+            self._sizes[id(node)] = size
+        self._open[-1] += size
+        if sum(self._open) > self.MAX_NODES:
+            raise _YamlRefused(f"more than {self.MAX_NODES} nodes once aliases are expanded", mark)
+        return node
+
+
 def read_yaml(path: str | Path) -> dict[str, Any]:
     try:
         text = Path(path).read_text()
     except OSError as exc:
         raise ConfigError([f"{path}: cannot read ({exc.strerror})"]) from exc
+    loader = _BoundedYamlLoader(text)
     try:
-        return yaml.safe_load(text) or {}
+        return loader.get_single_data() or {}
+    except _YamlRefused as exc:
+        raise ConfigError([f"{path}: {exc}"]) from None
     except yaml.YAMLError as exc:
         raise ConfigError([f"{path}: not valid YAML ({exc})"]) from exc
+    finally:
+        loader.dispose()
 
 
 def load_plan(path: str | Path, *, files_must_exist: bool = True) -> ServingPlan:

@@ -11,13 +11,14 @@ import logging
 from collections.abc import AsyncIterator
 
 import grpc
+from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from proctor.proto import scoring_pb2, scoring_pb2_grpc
 from proctor.server.auth import TokenAuth
 from proctor.server.encoding import score_chunks, score_response, unembedding_chunks
-from proctor.server.errors import Code, ScoringError
+from proctor.server.errors import Code, ScoringError, invalid
 from proctor.server.service import ScoringService
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,61 @@ async def _abort(context: grpc.aio.ServicerContext, error: ScoringError) -> None
 def _deadline(context: grpc.aio.ServicerContext) -> float | None:
     remaining = context.time_remaining()
     return None if remaining is None else max(0.0, remaining)
+
+
+def _parse(raw: bytes, message_type: type[Message]) -> Message:
+    """A request message from its wire bytes; undecodable bytes are bad input (INVALID_ARGUMENT
+    naming the body), where gRPC's own deserializer would answer UNKNOWN."""
+    message = message_type()
+    try:
+        message.ParseFromString(raw)
+    except DecodeError as exc:
+        raise invalid("body", f"is not a valid {message_type.DESCRIPTOR.name} protobuf ({exc})") from None
+    return message
+
+
+def _unary(method, message_type: type[Message], response_type: type[Message]) -> grpc.RpcMethodHandler:
+    """A unary handler that receives raw bytes and parses them itself (see `_parse`)."""
+
+    async def handle(raw, context):
+        try:
+            request = _parse(raw, message_type)
+        except ScoringError as error:
+            await _abort(context, error)
+        return await method(request, context)
+
+    return grpc.unary_unary_rpc_method_handler(handle, response_serializer=response_type.SerializeToString)
+
+
+def _streaming(method, message_type: type[Message], response_type: type[Message]) -> grpc.RpcMethodHandler:
+    """A server-streaming handler that receives raw bytes and parses them itself."""
+
+    async def handle(raw, context):
+        try:
+            request = _parse(raw, message_type)
+        except ScoringError as error:
+            await _abort(context, error)
+            return
+        async for item in method(request, context):
+            yield item
+
+    return grpc.unary_stream_rpc_method_handler(handle, response_serializer=response_type.SerializeToString)
+
+
+def add_scoring_service(servicer: TeacherScoringServicer, server: grpc.aio.Server) -> None:
+    """Register the servicer like the generated `add_TeacherScoringServicer_to_server`, but
+    with request parsing moved into the handlers (no request_deserializer), so that bytes that
+    are not a valid request get INVALID_ARGUMENT rather than UNKNOWN."""
+    handlers = {
+        "Score": _unary(servicer.Score, scoring_pb2.ScoreRequest, scoring_pb2.ScoreResponse),
+        "ScoreStream": _streaming(servicer.ScoreStream, scoring_pb2.ScoreRequest, scoring_pb2.ScoreChunk),
+        "ListTeachers": _unary(servicer.ListTeachers, scoring_pb2.TeachersRequest, scoring_pb2.TeachersResponse),
+        "GetUnembedding": _streaming(
+            servicer.GetUnembedding, scoring_pb2.UnembeddingRequest, scoring_pb2.TensorChunk
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
 class TeacherScoringServicer(scoring_pb2_grpc.TeacherScoringServicer):
@@ -141,7 +197,7 @@ class GrpcServer:
             ("grpc.so_reuseport", 0),
         ]
         self.server = grpc.aio.server(interceptors=[AuthInterceptor(auth or TokenAuth(None))], options=options)
-        scoring_pb2_grpc.add_TeacherScoringServicer_to_server(
+        add_scoring_service(
             TeacherScoringServicer(service, max_message_bytes=max_message_bytes, stream_chunk_bytes=stream_chunk_bytes),
             self.server,
         )

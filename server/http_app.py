@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import binascii
 import contextlib
 import json
 from typing import Any
@@ -18,10 +17,12 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from google.protobuf.message import DecodeError
+from starlette.requests import ClientDisconnect
 
 from proctor.proto import scoring_pb2
 from proctor.proto.framing import STREAM_MEDIA_TYPE, frame
 from proctor.server.auth import OPEN_PATHS, TokenAuth
+from proctor.server.bounded_json import loads_bounded
 from proctor.server.encoding import score_chunks, score_json, score_response, unembedding_chunks
 from proctor.server.errors import Code, ScoringError, invalid
 from proctor.server.service import Scored, ScoringService
@@ -52,61 +53,130 @@ def error_response(error: ScoringError) -> JSONResponse:
     return JSONResponse(body, status_code=error.code.http_status, headers=headers)
 
 
+_INT32 = range(-(2**31), 2**31)
+# JSON bodies above this size are decoded in a worker thread. bounded_json calls back into
+# Python for every number, so that thread yields the GIL and the event loop (gRPC included)
+# keeps serving while a large body is decoded; small bodies are not worth a thread hop.
+INLINE_DECODE_BYTES = 256 << 10
+# Token ids go into the protobuf in slices of this many, so no single C call holds the GIL long.
+_IDS_SLICE = 1 << 16
+
+
 def _media_from_json(items: list, field: str) -> list[scoring_pb2.Media]:
     out = []
     for index, item in enumerate(items):
-        if not isinstance(item, dict) or "data" not in item or "media_type" not in item:
+        if not isinstance(item, dict) or "data" not in item or not isinstance(item.get("media_type"), str):
             raise invalid(f"{field}[{index}]", 'must be {"data": <base64>, "media_type": "..."}')
         try:
             data = base64.b64decode(item["data"], validate=True)
-        except (binascii.Error, TypeError) as exc:
+        except (ValueError, TypeError) as exc:  # binascii.Error is a ValueError, as is non-ASCII text
             raise invalid(f"{field}[{index}].data", "is not valid base64") from exc
-        out.append(scoring_pb2.Media(data=data, media_type=str(item["media_type"])))
+        out.append(scoring_pb2.Media(data=data, media_type=item["media_type"]))
     return out
 
 
-def request_from_json(body: Any) -> scoring_pb2.ScoreRequest:
-    """Strictly typed JSON -> ScoreRequest; unknown or mistyped fields are named in the error."""
-    if not isinstance(body, dict):
-        raise invalid("body", "must be a JSON object")
-    for key, value in body.items():
-        if key not in _JSON_FIELDS:
-            raise invalid(key, f"unknown field (known: {', '.join(_JSON_FIELDS)})")
-        expected = _JSON_FIELDS[key]
-        if value is None:
-            continue
-        if expected is int and (isinstance(value, bool) or not isinstance(value, int)):
+def _check_field(key: str, value: Any) -> None:
+    """One top-level field's type (and, for integers, the int32 range of the wire)."""
+    if key not in _JSON_FIELDS:
+        raise invalid(key, f"unknown field (known: {', '.join(_JSON_FIELDS)})")
+    expected = _JSON_FIELDS[key]
+    if value is None:
+        return
+    if expected is int:
+        if isinstance(value, bool) or not isinstance(value, int):
             raise invalid(key, f"must be an integer, got {type(value).__name__}")
-        if expected is not int and not isinstance(value, expected):
-            raise invalid(key, f"has the wrong type {type(value).__name__}")
-    ids = body.get("token_ids")
+        if value not in _INT32:
+            raise invalid(key, f"is {_short(value)}, outside the int32 range")
+    elif not isinstance(value, expected):
+        raise invalid(key, f"has the wrong type {type(value).__name__}")
+
+
+def _short(value: int) -> str:
+    text = str(value)
+    return text if len(text) <= 24 else f"an integer of {len(text)} digits"
+
+
+def _token_ids(ids: list | None) -> list[int]:
     if ids is None:
         raise invalid("token_ids", "is required")
     if any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
         raise invalid("token_ids", "must be a list of integers")
-    if any(not -(2**31) <= t < 2**31 for t in ids):
+    if any(t not in _INT32 for t in ids):
         raise invalid("token_ids", "has a value outside the int32 range")
+    return ids
+
+
+def _processor_kwargs(kwargs: dict | str) -> str:
+    """mm_processor_kwargs as the JSON text the wire carries; a string is checked here with
+    the same bounds as the body, so that hostile text never reaches the service's parser."""
+    if isinstance(kwargs, dict):
+        return json.dumps(kwargs)
+    if not isinstance(loads_bounded(kwargs, field="mm_processor_kwargs"), dict):
+        raise invalid("mm_processor_kwargs", "must be a JSON object")
+    return kwargs
+
+
+def request_from_json(body: Any) -> scoring_pb2.ScoreRequest:
+    """Strictly typed JSON -> ScoreRequest; unknown, mistyped or out-of-range fields are named
+    in the error. `body` should come from `loads_bounded`, which bounds depth and numbers."""
+    if not isinstance(body, dict):
+        raise invalid("body", "must be a JSON object")
+    for key, value in body.items():
+        _check_field(key, value)
+    ids = _token_ids(body.get("token_ids"))
     request = scoring_pb2.ScoreRequest(
         request_id=body.get("request_id") or "",
         teacher_key=body.get("teacher_key") or "",
-        token_ids=ids,
         logprobs=bool(body.get("logprobs", True)),
-        topk=int(body.get("topk") or 0),
+        topk=body.get("topk") or 0,
         hidden_states=bool(body.get("hidden_states", False)),
     )
+    for start in range(0, len(ids), _IDS_SLICE):
+        request.token_ids.extend(ids[start:start + _IDS_SLICE])
     if body.get("prompt_length") is not None:
-        if not -(2**31) <= body["prompt_length"] < 2**31:
-            raise invalid("prompt_length", "is outside the int32 range")
         request.prompt_length = body["prompt_length"]
-    if not -(2**31) <= request.topk < 2**31:
-        raise invalid("topk", "is outside the int32 range")
     for field in ("images", "videos", "audios"):
         if body.get(field):
             getattr(request, field).extend(_media_from_json(body[field], field))
     kwargs = body.get("mm_processor_kwargs")
     if kwargs:
-        request.mm_processor_kwargs = kwargs if isinstance(kwargs, str) else json.dumps(kwargs)
+        request.mm_processor_kwargs = _processor_kwargs(kwargs)
     return request
+
+
+def decode_body(raw: bytes, content_type: str) -> scoring_pb2.ScoreRequest:
+    """A ScoreRequest from a JSON or protobuf body; ScoringError names what is wrong."""
+    if content_type == PROTOBUF:
+        message = scoring_pb2.ScoreRequest()
+        try:
+            message.ParseFromString(raw)
+        except DecodeError as exc:
+            raise invalid("body", "is not a valid ScoreRequest protobuf") from exc
+        return message
+    if content_type in ("application/json", ""):
+        return request_from_json(loads_bounded(raw, field="body"))
+    raise invalid("content-type", f"{content_type!r} is not supported: use application/json or {PROTOBUF}")
+
+
+def _too_large(size: int | str, limit: int) -> ScoringError:
+    return ScoringError(Code.PAYLOAD_TOO_LARGE, f"body: {size} bytes exceed the limit of {limit}", field="body")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused (413) as soon as it passes `limit`: up front from Content-Length,
+    else while it streams in (chunked bodies declare no length)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(declared, limit)
+    body = bytearray()
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise _too_large(f"more than {limit}", limit)
+    except ClientDisconnect:
+        raise ScoringError(Code.CANCELLED, "body: the client went away before sending all of it", field="body") from None
+    return bytes(body)
 
 
 _SCORE_BODY = {
@@ -181,28 +251,13 @@ def create_app(
         app.add_middleware(BearerTokenMiddleware, auth=auth, open_paths=open_paths)
 
     async def parse(request: Request) -> tuple[scoring_pb2.ScoreRequest, str]:
-        """The request's ScoreRequest (JSON or protobuf body) and its content type."""
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
-            raise ScoringError(Code.PAYLOAD_TOO_LARGE, f"body: {declared} bytes exceed the limit of {max_body_bytes}", field="body")
-        raw = await request.body()
-        if len(raw) > max_body_bytes:
-            raise ScoringError(Code.PAYLOAD_TOO_LARGE, f"body: {len(raw)} bytes exceed the limit of {max_body_bytes}", field="body")
+        """The request's ScoreRequest (JSON or protobuf body) and its content type; a large
+        body is decoded off the event loop."""
+        raw = await read_body(request, max_body_bytes)
         content_type = request.headers.get("content-type", "application/json").split(";")[0].strip()
-        if content_type == PROTOBUF:
-            message = scoring_pb2.ScoreRequest()
-            try:
-                message.ParseFromString(raw)
-            except DecodeError as exc:
-                raise invalid("body", "is not a valid ScoreRequest protobuf") from exc
-            return message, content_type
-        if content_type in ("application/json", ""):
-            try:
-                body = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise invalid("body", f"is not valid JSON ({exc})") from exc
-            return request_from_json(body), content_type
-        raise invalid("content-type", f"{content_type!r} is not supported: use application/json or {PROTOBUF}")
+        if len(raw) <= INLINE_DECODE_BYTES:
+            return decode_body(raw, content_type), content_type
+        return await asyncio.to_thread(decode_body, raw, content_type), content_type
 
     async def score_unless_disconnected(request: Request, message: scoring_pb2.ScoreRequest) -> Scored | None:
         """Score, but withdraw the request (None) if the client goes away first."""

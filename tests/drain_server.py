@@ -1,4 +1,7 @@
-"""A server process for the drain test: a delayed real engine, serving until SIGTERM."""
+"""A server process for the drain tests: a delayed real engine, serving until SIGTERM.
+
+Arguments: the model directory, the delay per batch (seconds), and optionally the drain grace.
+"""
 
 from __future__ import annotations
 
@@ -10,12 +13,12 @@ from proctor.server.runtime import ProctorServer, ServerOptions
 from slow_engine import slow_router
 
 
-async def main(model_dir: str, delay: float) -> int:
+async def main(model_dir: str, delay: float, grace: float) -> int:
     router, _ = slow_router(model_dir, delay)
-    server = ProctorServer(router, ServerOptions(grpc_port=0, http_port=0, drain_grace_s=30))
+    server = ProctorServer(router, ServerOptions(grpc_port=0, http_port=0, drain_grace_s=grace))
     print(f"proctor: gRPC on 127.0.0.1:{server.grpc_port}, HTTP on 127.0.0.1:{server.http_port}", flush=True)
     return await server.serve_forever()
 
 
 if __name__ == "__main__":
-    sys.exit(asyncio.run(main(sys.argv[1], float(sys.argv[2]))))
+    sys.exit(asyncio.run(main(sys.argv[1], float(sys.argv[2]), float(sys.argv[3]) if len(sys.argv) > 3 else 30.0)))
