@@ -148,19 +148,20 @@ class ScoringService:
     # -- validation ------------------------------------------------------------------------
     def validate(self, request: scoring_pb2.ScoreRequest, teacher: Teacher) -> EngineRequest:
         info = teacher.info
+        count = len(request.token_ids)
+        if count > info.max_sequence_tokens:  # checked before any copy of a huge list
+            spare = "" if info.max_sequence_tokens == info.max_model_len else (
+                "; the engine keeps one of its max_model_len slots for the output token of the prefill")
+            raise invalid(
+                "token_ids",
+                f"has {count} tokens, more than teacher {teacher.name!r} scores ({info.max_sequence_tokens}: "
+                f"max_model_len {info.max_model_len}{spare})",
+            )
         ids = list(request.token_ids)
         if not ids:
             raise invalid("token_ids", "is empty; send the prompt and response token ids")
         if len(ids) < 2:
             raise invalid("token_ids", "needs at least 2 tokens (row 0 has no prefix to score)")
-        if len(ids) > info.max_sequence_tokens:
-            spare = "" if info.max_sequence_tokens == info.max_model_len else (
-                "; the engine keeps one of its max_model_len slots for the output token of the prefill")
-            raise invalid(
-                "token_ids",
-                f"has {len(ids)} tokens, more than teacher {teacher.name!r} scores ({info.max_sequence_tokens}: "
-                f"max_model_len {info.max_model_len}{spare})",
-            )
         # numpy, not torch: torch calls on the event loop can stall behind the engine's thread.
         array = np.asarray(ids, dtype=np.int64)
         low, high = int(array.min()), int(array.max())

@@ -122,8 +122,11 @@ def engine_cores(server: SubprocessServer) -> dict:
         if proc.pid not in hosts:
             continue
         for child in proc.children(recursive=True):
-            if "EngineCore" in child.name() or "EngineCore" in " ".join(child.cmdline()):
-                cores[hosts[proc.pid]] = child
+            try:  # a dying replica leaves zombies and vanishing processes in the tree
+                if "EngineCore" in child.name() or "EngineCore" in " ".join(child.cmdline()):
+                    cores[hosts[proc.pid]] = child
+            except psutil.Error:
+                continue
     return cores
 
 
