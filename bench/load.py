@@ -46,6 +46,17 @@ def kill_engine_core(server: SubprocessServer, replica: str) -> str:
     return f"{replica} (pid {core.pid})"
 
 
+def wait_until_all_healthy(server: SubprocessServer, timeout: float = 300) -> None:
+    stub = scoring_pb2_grpc.TeacherScoringStub(grpc.insecure_channel(server.grpc_target))
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = [r.state for t in stub.ListTeachers(scoring_pb2.TeachersRequest()).teachers for r in t.replicas]
+        if all(state == "healthy" for state in states):
+            return
+        time.sleep(0.5)
+    raise TimeoutError("replicas did not all come back")
+
+
 async def level(target: str, concurrency: int, total: int, seconds: float, length: int) -> dict:
     rng = random.Random(concurrency)
     latencies: list[float] = []
@@ -64,8 +75,11 @@ async def level(target: str, concurrency: int, total: int, seconds: float, lengt
                 try:
                     reply = await stub.Score(request, timeout=60)
                 except grpc.aio.AioRpcError as error:
-                    counts["refused" if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED else "lost"] += 1
-                    if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    # The server's pushback (queue full; no healthy replica while one restarts) is
+                    # "refused": a client retries it after the hint. Anything else is lost.
+                    pushback = error.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
+                    counts["refused" if pushback else "lost"] += 1
+                    if pushback:
                         await asyncio.sleep(0.01)
                     continue
                 ok = reply.request_id == request.request_id and reply.logprobs.shape[0] == length - length // 2
@@ -108,6 +122,7 @@ def main() -> None:
         print(f"{'concurrency':>11} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'sent':>6} {'answered':>9} "
               f"{'refused':>8} {'lost':>5}  killed")
         for index, concurrency in enumerate(int(x) for x in args.levels.split(",")):
+            wait_until_all_healthy(server)  # a replica killed in the previous level is back
             killed = "-"
             if args.kill_after is not None:
                 killed_box: list[str] = []
