@@ -51,7 +51,7 @@ def wait_until_all_healthy(server: SubprocessServer, timeout: float = 300) -> No
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         states = [r.state for t in stub.ListTeachers(scoring_pb2.TeachersRequest()).teachers for r in t.replicas]
-        if all(state == "healthy" for state in states):
+        if all(state == scoring_pb2.HEALTHY for state in states):
             return
         time.sleep(0.5)
     raise TimeoutError("replicas did not all come back")

@@ -30,7 +30,7 @@ from proctor.client.transports import (
     processor_kwargs_json,
     to_wire_media,
 )
-from proctor.proto import decode_tensor, scoring_pb2
+from proctor.proto import decode_tensor, dtype_name, scoring_pb2
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class TeacherInfo:
         return cls(
             name=info.name, model=info.model, fingerprint=info.fingerprint, vocab_size=info.vocab_size,
             hidden_size=info.hidden_size, max_model_len=info.max_model_len, max_topk=info.max_topk,
-            outputs=tuple(info.outputs), keys=tuple(info.keys), engine=info.engine, dtype=info.dtype,
+            outputs=tuple(info.outputs), keys=tuple(info.keys), engine=info.engine, dtype=dtype_name(info.dtype),
             media=tuple(info.media), replicas=tuple((r.replica_id, r.state) for r in info.replicas),
         )
 
@@ -381,16 +381,17 @@ async def assemble_stream(chunks: AsyncIterator[scoring_pb2.ScoreChunk]) -> Teac
     filled = 0
     last = False
     async for chunk in chunks:
+        response = chunk.response
         if scores is None:
-            scores = scores_from_response(chunk)
+            scores = scores_from_response(response)
             first_hidden = scores.hidden_states
             scores.hidden_states = None
             if first_hidden is not None:
-                hidden = _place_rows(None, first_hidden, chunk.hidden_states.first_row, scores)
+                hidden = _place_rows(None, first_hidden, response.hidden_states.first_row, scores)
                 filled += first_hidden.shape[0]
-        elif chunk.HasField("hidden_states"):
-            piece = decode_tensor(chunk.hidden_states)
-            hidden = _place_rows(hidden, piece, chunk.hidden_states.first_row, scores)
+        elif response.HasField("hidden_states"):
+            piece = decode_tensor(response.hidden_states)
+            hidden = _place_rows(hidden, piece, response.hidden_states.first_row, scores)
             filled += piece.shape[0]
         last = chunk.last
     if scores is None or not last:

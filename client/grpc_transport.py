@@ -16,18 +16,19 @@ import grpc
 
 from proctor.client.transports import PAYLOAD_TOO_LARGE, TeacherError, Transport, make_error
 from proctor.proto import scoring_pb2, scoring_pb2_grpc
+from proctor.proto.wire import GRPC_PUSHBACK_KEY, GRPC_RETRY_AFTER_KEY
 
 
 def _retry_hint(metadata: Sequence[tuple[str, str]] | None) -> float | None:
     values = dict(metadata or ())
-    if "grpc-retry-pushback-ms" in values:
+    if GRPC_PUSHBACK_KEY in values:
         try:
-            return max(0.0, float(values["grpc-retry-pushback-ms"]) / 1000.0)
+            return max(0.0, float(values[GRPC_PUSHBACK_KEY]) / 1000.0)
         except ValueError:
             pass
-    if "retry-after" in values:
+    if GRPC_RETRY_AFTER_KEY in values:
         try:
-            return max(0.0, float(values["retry-after"]))
+            return max(0.0, float(values[GRPC_RETRY_AFTER_KEY]))
         except ValueError:
             pass
     return None

@@ -20,21 +20,19 @@ from google.protobuf.message import DecodeError
 from proctor.client.transports import PAYLOAD_TOO_LARGE, TeacherError, Transport, make_error
 from proctor.proto import scoring_pb2
 from proctor.proto.framing import read_frames
+from proctor.proto.wire import (
+    PROTOBUF_MEDIA_TYPE,
+    RETRY_AFTER_HEADER,
+    RETRY_AFTER_MS_HEADER,
+    TIMEOUT_HEADER,
+    status_of_http,
+)
 
-PROTOBUF = "application/x-protobuf"
-TIMEOUT_HEADER = "x-request-timeout"
 # Extra time the client waits past the deadline it sent, so the server's own
 # DEADLINE_EXCEEDED (with its message) normally arrives before the client gives up.
 _DEADLINE_GRACE_S = 0.25
-# 413 is its own code, not RESOURCE_EXHAUSTED: a body too large is never retried (a proxy's
-# 413 carries no JSON error, so the status alone must say it).
-_STATUS_CODES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND", 413: PAYLOAD_TOO_LARGE,
-                 422: "INVALID_ARGUMENT", 429: "RESOURCE_EXHAUSTED", 499: "CANCELLED", 500: "INTERNAL",
-                 502: "UNAVAILABLE", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}
-
-
 def _retry_hint(headers: httpx.Headers) -> float | None:
-    for name, scale in (("x-retry-after-ms", 1000.0), ("retry-after", 1.0)):
+    for name, scale in ((RETRY_AFTER_MS_HEADER, 1000.0), (RETRY_AFTER_HEADER, 1.0)):
         value = headers.get(name)
         if value is not None:
             try:
@@ -45,7 +43,7 @@ def _retry_hint(headers: httpx.Headers) -> float | None:
 
 
 def error_from_response(response: httpx.Response) -> TeacherError:
-    code = _STATUS_CODES.get(response.status_code, "UNKNOWN")
+    code = status_of_http(response.status_code)  # 413 is PAYLOAD_TOO_LARGE: never retried
     message, field = response.text[:500] or response.reason_phrase, None
     try:
         error = response.json()["error"]
@@ -91,7 +89,7 @@ class HttpTransport(Transport):
         return response
 
     async def score(self, request, timeout):
-        headers = {"content-type": PROTOBUF, "accept": PROTOBUF}
+        headers = {"content-type": PROTOBUF_MEDIA_TYPE, "accept": PROTOBUF_MEDIA_TYPE}
         if timeout is not None:
             headers[TIMEOUT_HEADER] = f"{max(0.0, timeout):.3f}"
         response = await self._send("POST", "/v1/score", timeout=timeout, content=request.SerializeToString(),
@@ -123,7 +121,7 @@ class HttpTransport(Transport):
             raise make_error("INTERNAL", f"the server's stream is malformed ({exc})") from None
 
     async def score_stream(self, request, timeout) -> AsyncIterator[scoring_pb2.ScoreChunk]:
-        headers = {"content-type": PROTOBUF}
+        headers = {"content-type": PROTOBUF_MEDIA_TYPE}
         if timeout is not None:
             headers[TIMEOUT_HEADER] = f"{max(0.0, timeout):.3f}"
         async for chunk in self._stream("POST", "/v1/score/stream", scoring_pb2.ScoreChunk, timeout=timeout,

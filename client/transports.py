@@ -15,12 +15,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from proctor.proto import scoring_pb2
+from proctor.proto.wire import PAYLOAD_TOO_LARGE, RETRYABLE
 
-# Codes that mean "the same request may succeed later": the only ones the client retries.
-# A request too large to send or receive is not among them (code PAYLOAD_TOO_LARGE: HTTP
-# 413, or gRPC's RESOURCE_EXHAUSTED "message larger than max"): it can never fit as sent.
-RETRYABLE_CODES = frozenset({"UNAVAILABLE", "RESOURCE_EXHAUSTED"})
-PAYLOAD_TOO_LARGE = "PAYLOAD_TOO_LARGE"
+# The codes that mean "the same request may succeed later" (the only ones the client retries)
+# are the wire table's; a request too large to send or receive (PAYLOAD_TOO_LARGE: HTTP 413,
+# or gRPC's RESOURCE_EXHAUSTED "message larger than max") is not among them.
+RETRYABLE_CODES = RETRYABLE
 _FIELD_PREFIX = re.compile(r"^([A-Za-z_][\w.\[\]-]*): ")
 
 

@@ -15,18 +15,39 @@ import torch
 
 from proctor.proto import scoring_pb2
 
-# wire name -> (numpy storage dtype, torch dtype)
-WIRE_DTYPES: dict[str, tuple[np.dtype, torch.dtype]] = {
-    "float32": (np.dtype("<f4"), torch.float32),
-    "float16": (np.dtype("<f2"), torch.float16),
-    "bfloat16": (np.dtype("<u2"), torch.bfloat16),
-    "float64": (np.dtype("<f8"), torch.float64),
-    "int32": (np.dtype("<i4"), torch.int32),
-    "int64": (np.dtype("<i8"), torch.int64),
+# The one dtype table: name -> (wire enum, numpy storage dtype, torch dtype). Names are the
+# enum's lower-cased (what configs, JSON and logs say: "bfloat16").
+DTYPES: dict[str, tuple[int, np.dtype, torch.dtype]] = {
+    "float32": (scoring_pb2.FLOAT32, np.dtype("<f4"), torch.float32),
+    "float16": (scoring_pb2.FLOAT16, np.dtype("<f2"), torch.float16),
+    "bfloat16": (scoring_pb2.BFLOAT16, np.dtype("<u2"), torch.bfloat16),
+    "float64": (scoring_pb2.FLOAT64, np.dtype("<f8"), torch.float64),
+    "int32": (scoring_pb2.INT32, np.dtype("<i4"), torch.int32),
+    "int64": (scoring_pb2.INT64, np.dtype("<i8"), torch.int64),
 }
-_TORCH_TO_WIRE = {torch_dtype: name for name, (_, torch_dtype) in WIRE_DTYPES.items()}
-_NUMPY_TO_WIRE = {np.dtype(np_dtype).newbyteorder("="): name for name, (np_dtype, _) in WIRE_DTYPES.items()
+WIRE_DTYPES: dict[int, tuple[np.dtype, torch.dtype]] = {wire: (np_dt, t) for wire, np_dt, t in DTYPES.values()}
+_TORCH_TO_WIRE = {torch_dtype: wire for wire, _, torch_dtype in DTYPES.values()}
+_NUMPY_TO_WIRE = {np.dtype(np_dtype).newbyteorder("="): wire for name, (wire, np_dtype, _) in DTYPES.items()
                   if name != "bfloat16"}
+
+
+def dtype_name(wire: int) -> str:
+    """"bfloat16" for scoring_pb2.BFLOAT16 (the names configs and JSON use)."""
+    return scoring_pb2.DType.Name(wire).lower()
+
+
+def wire_dtype(name: str) -> int:
+    """The wire enum of a dtype name ("float32", "torch.bfloat16"); ValueError if unknown."""
+    key = name.removeprefix("torch.")
+    if key not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r} (one of {', '.join(DTYPES)})")
+    return DTYPES[key][0]
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a dtype name ("float32", "torch.bfloat16"); ValueError if unknown."""
+    return WIRE_DTYPES[wire_dtype(name)][1]
+
 
 if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
     raise ImportError("proctor's tensor codec assumes a little-endian host")
@@ -40,12 +61,12 @@ def encode_tensor(value: torch.Tensor | np.ndarray, *, first_row: int = 0) -> sc
         tensor = value.detach() if value.requires_grad else value
         if tensor.dtype not in _TORCH_TO_WIRE:
             raise ValueError(f"tensor dtype {tensor.dtype} has no wire encoding")
-        name = _TORCH_TO_WIRE[tensor.dtype]
+        wire = _TORCH_TO_WIRE[tensor.dtype]
         if tensor.device.type != "cpu":
             tensor = tensor.to("cpu")
         if not tensor.is_contiguous():
             tensor = tensor.contiguous()
-        storage = tensor.view(torch.int16) if name == "bfloat16" else tensor
+        storage = tensor.view(torch.int16) if wire == scoring_pb2.BFLOAT16 else tensor
         data = storage.numpy().tobytes()
         shape = list(tensor.shape)
     else:
@@ -53,15 +74,15 @@ def encode_tensor(value: torch.Tensor | np.ndarray, *, first_row: int = 0) -> sc
         key = array.dtype.newbyteorder("=")
         if key not in _NUMPY_TO_WIRE:
             raise ValueError(f"array dtype {array.dtype} has no wire encoding")
-        name = _NUMPY_TO_WIRE[key]
+        wire = _NUMPY_TO_WIRE[key]
         data = array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes()
         shape = list(array.shape)
-    return scoring_pb2.Tensor(dtype=name, shape=shape, data=data, first_row=first_row)
+    return scoring_pb2.Tensor(dtype=wire, shape=shape, data=data, first_row=first_row)
 
 
 def _check(message: scoring_pb2.Tensor) -> tuple[np.dtype, torch.dtype, tuple[int, ...]]:
     if message.dtype not in WIRE_DTYPES:
-        raise ValueError(f"unknown tensor dtype {message.dtype!r}")
+        raise ValueError(f"unknown tensor dtype {message.dtype}")
     np_dtype, torch_dtype = WIRE_DTYPES[message.dtype]
     shape = tuple(int(d) for d in message.shape)
     if any(d < 0 for d in shape):
@@ -69,7 +90,7 @@ def _check(message: scoring_pb2.Tensor) -> tuple[np.dtype, torch.dtype, tuple[in
     expected = int(np.prod(shape, dtype=np.int64)) * np_dtype.itemsize
     if len(message.data) != expected:
         raise ValueError(
-            f"tensor data has {len(message.data)} bytes, shape {shape} of {message.dtype} needs {expected}"
+            f"tensor data has {len(message.data)} bytes, shape {shape} of {dtype_name(message.dtype)} needs {expected}"
         )
     return np_dtype, torch_dtype, shape
 
@@ -77,7 +98,7 @@ def _check(message: scoring_pb2.Tensor) -> tuple[np.dtype, torch.dtype, tuple[in
 def decode_numpy(message: scoring_pb2.Tensor) -> np.ndarray:
     """A read-only numpy view over the message bytes (bf16 is refused: numpy has no bf16)."""
     np_dtype, _, shape = _check(message)
-    if message.dtype == "bfloat16":
+    if message.dtype == scoring_pb2.BFLOAT16:
         raise ValueError("bfloat16 cannot be decoded to numpy; use decode_tensor")
     return np.frombuffer(message.data, dtype=np_dtype).reshape(shape)
 

@@ -1,4 +1,5 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -6,17 +7,47 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    FLOAT32: _ClassVar[DType]
+    BFLOAT16: _ClassVar[DType]
+    FLOAT16: _ClassVar[DType]
+    FLOAT64: _ClassVar[DType]
+    INT32: _ClassVar[DType]
+    INT64: _ClassVar[DType]
+
+class ReplicaState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REPLICA_STATE_UNSPECIFIED: _ClassVar[ReplicaState]
+    LOADING: _ClassVar[ReplicaState]
+    HEALTHY: _ClassVar[ReplicaState]
+    UNHEALTHY: _ClassVar[ReplicaState]
+    RESTARTING: _ClassVar[ReplicaState]
+DTYPE_UNSPECIFIED: DType
+FLOAT32: DType
+BFLOAT16: DType
+FLOAT16: DType
+FLOAT64: DType
+INT32: DType
+INT64: DType
+REPLICA_STATE_UNSPECIFIED: ReplicaState
+LOADING: ReplicaState
+HEALTHY: ReplicaState
+UNHEALTHY: ReplicaState
+RESTARTING: ReplicaState
+
 class Tensor(_message.Message):
     __slots__ = ("dtype", "shape", "data", "first_row")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     FIRST_ROW_FIELD_NUMBER: _ClassVar[int]
-    dtype: str
+    dtype: DType
     shape: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
     first_row: int
-    def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., first_row: _Optional[int] = ...) -> None: ...
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., first_row: _Optional[int] = ...) -> None: ...
 
 class Media(_message.Message):
     __slots__ = ("data", "media_type")
@@ -75,28 +106,12 @@ class ScoreResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., teacher: _Optional[str] = ..., model: _Optional[str] = ..., num_tokens: _Optional[int] = ..., first_row: _Optional[int] = ..., logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., topk_ids: _Optional[_Union[Tensor, _Mapping]] = ..., topk_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class ScoreChunk(_message.Message):
-    __slots__ = ("request_id", "teacher", "model", "num_tokens", "first_row", "logprobs", "topk_ids", "topk_logprobs", "hidden_states", "last")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    TEACHER_FIELD_NUMBER: _ClassVar[int]
-    MODEL_FIELD_NUMBER: _ClassVar[int]
-    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    FIRST_ROW_FIELD_NUMBER: _ClassVar[int]
-    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    TOPK_IDS_FIELD_NUMBER: _ClassVar[int]
-    TOPK_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("response", "last")
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    teacher: str
-    model: str
-    num_tokens: int
-    first_row: int
-    logprobs: Tensor
-    topk_ids: Tensor
-    topk_logprobs: Tensor
-    hidden_states: Tensor
+    response: ScoreResponse
     last: bool
-    def __init__(self, request_id: _Optional[str] = ..., teacher: _Optional[str] = ..., model: _Optional[str] = ..., num_tokens: _Optional[int] = ..., first_row: _Optional[int] = ..., logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., topk_ids: _Optional[_Union[Tensor, _Mapping]] = ..., topk_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., last: _Optional[bool] = ...) -> None: ...
+    def __init__(self, response: _Optional[_Union[ScoreResponse, _Mapping]] = ..., last: _Optional[bool] = ...) -> None: ...
 
 class TeachersRequest(_message.Message):
     __slots__ = ()
@@ -109,10 +124,10 @@ class ReplicaInfo(_message.Message):
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
-    state: str
+    state: ReplicaState
     devices: _containers.RepeatedScalarFieldContainer[str]
     node: str
-    def __init__(self, replica_id: _Optional[str] = ..., state: _Optional[str] = ..., devices: _Optional[_Iterable[str]] = ..., node: _Optional[str] = ...) -> None: ...
+    def __init__(self, replica_id: _Optional[str] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., devices: _Optional[_Iterable[str]] = ..., node: _Optional[str] = ...) -> None: ...
 
 class TeacherInfo(_message.Message):
     __slots__ = ("name", "model", "fingerprint", "vocab_size", "hidden_size", "max_model_len", "max_topk", "outputs", "replicas", "engine", "dtype", "keys", "media")
@@ -139,10 +154,10 @@ class TeacherInfo(_message.Message):
     outputs: _containers.RepeatedScalarFieldContainer[str]
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaInfo]
     engine: str
-    dtype: str
+    dtype: DType
     keys: _containers.RepeatedScalarFieldContainer[str]
     media: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: _Optional[str] = ..., model: _Optional[str] = ..., fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_topk: _Optional[int] = ..., outputs: _Optional[_Iterable[str]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., engine: _Optional[str] = ..., dtype: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., media: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., model: _Optional[str] = ..., fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_topk: _Optional[int] = ..., outputs: _Optional[_Iterable[str]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., engine: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., keys: _Optional[_Iterable[str]] = ..., media: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TeachersResponse(_message.Message):
     __slots__ = ("teachers",)

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import torch
 
-from proctor.proto import encode_tensor, iter_row_chunks, scoring_pb2
+from proctor.proto import dtype_name, encode_tensor, iter_row_chunks, scoring_pb2
 from proctor.server.service import Scored
 
 
@@ -53,10 +53,11 @@ def score_chunks(scored: Scored, *, chunk_bytes: int = 2 << 20) -> Iterator[scor
     header = _header(scored)
     hidden = scored.result.hidden_states
     pieces = list(iter_row_chunks(hidden, first_row=scored.result.first_row, target_bytes=chunk_bytes)) if hidden is not None else []
-    first = scoring_pb2.ScoreChunk(**header, **_small_outputs(scored), last=not pieces)
-    yield first
+    first = scoring_pb2.ScoreResponse(**header, **_small_outputs(scored))
+    yield scoring_pb2.ScoreChunk(response=first, last=not pieces)
     for index, piece in enumerate(pieces):
-        yield scoring_pb2.ScoreChunk(request_id=scored.request_id, hidden_states=piece, last=index == len(pieces) - 1)
+        rows = scoring_pb2.ScoreResponse(request_id=scored.request_id, hidden_states=piece)
+        yield scoring_pb2.ScoreChunk(response=rows, last=index == len(pieces) - 1)
 
 
 def _rows_with_nulls(values: torch.Tensor, first_row: int, num_tokens: int) -> list:
@@ -75,7 +76,7 @@ def score_json(scored: Scored) -> dict:
     if result.hidden_states is not None:
         wire = encode_tensor(result.hidden_states, first_row=first)
         body["hidden_states"] = {
-            "dtype": wire.dtype,
+            "dtype": dtype_name(wire.dtype),
             "shape": list(wire.shape),
             "first_row": first,
             "data": base64.b64encode(wire.data).decode("ascii"),

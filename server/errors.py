@@ -11,31 +11,23 @@ import enum
 
 import grpc
 
+from proctor.proto.wire import STATUSES
 
-class Code(enum.Enum):
-    INVALID_ARGUMENT = (grpc.StatusCode.INVALID_ARGUMENT, 422)
-    NOT_FOUND = (grpc.StatusCode.NOT_FOUND, 404)
-    RESOURCE_EXHAUSTED = (grpc.StatusCode.RESOURCE_EXHAUSTED, 429)
-    UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, 503)
-    UNAUTHENTICATED = (grpc.StatusCode.UNAUTHENTICATED, 401)
-    DEADLINE_EXCEEDED = (grpc.StatusCode.DEADLINE_EXCEEDED, 504)
-    CANCELLED = (grpc.StatusCode.CANCELLED, 499)
-    # A body over the size limit can never succeed as sent, so on gRPC it is INVALID_ARGUMENT,
-    # like any other bad input: RESOURCE_EXHAUSTED would tell clients (ours, and gRPC's own
-    # retry policies) "the server is busy, the same request may pass later" and so retry it
-    # forever. OUT_OF_RANGE was the alternative, but it means reading past a valid range
-    # (iteration), and every client already treats INVALID_ARGUMENT as final and reads the
-    # field ("body: ...") off the message. HTTP keeps the precise 413.
-    PAYLOAD_TOO_LARGE = (grpc.StatusCode.INVALID_ARGUMENT, 413)
-    INTERNAL = (grpc.StatusCode.INTERNAL, 500)
+
+class _StatusCode(enum.Enum):
+    """A status of the contract (`proctor.proto.wire.STATUSES`) with its gRPC and HTTP codes."""
 
     @property
     def grpc_status(self) -> grpc.StatusCode:
-        return self.value[0]
+        return getattr(grpc.StatusCode, STATUSES[self.value].grpc_code)
 
     @property
     def http_status(self) -> int:
-        return self.value[1]
+        return STATUSES[self.value].http_status
+
+
+# Code.INVALID_ARGUMENT, Code.PAYLOAD_TOO_LARGE, ...: one member per status of the wire table.
+Code = _StatusCode("Code", {name: name for name in STATUSES})
 
 
 class ScoringError(Exception):

@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from proctor.proto import scoring_pb2, scoring_pb2_grpc
+from proctor.proto.wire import GRPC_PUSHBACK_KEY, GRPC_RETRY_AFTER_KEY
 from proctor.server.auth import TokenAuth
 from proctor.server.encoding import score_chunks, score_response, unembedding_chunks
 from proctor.server.errors import Code, ScoringError, invalid
@@ -29,8 +30,8 @@ SERVICE_NAME = scoring_pb2.DESCRIPTOR.services_by_name["TeacherScoring"].full_na
 async def _abort(context: grpc.aio.ServicerContext, error: ScoringError) -> None:
     metadata = []
     if error.retry_after is not None:
-        metadata.append(("retry-after", f"{error.retry_after:g}"))
-        metadata.append(("grpc-retry-pushback-ms", str(int(error.retry_after * 1000))))
+        metadata.append((GRPC_RETRY_AFTER_KEY, f"{error.retry_after:g}"))
+        metadata.append((GRPC_PUSHBACK_KEY, str(int(error.retry_after * 1000))))
     if metadata:
         context.set_trailing_metadata(tuple(metadata))
     await context.abort(error.code.grpc_status, error.message)

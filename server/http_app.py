@@ -21,14 +21,13 @@ from starlette.requests import ClientDisconnect
 
 from proctor.proto import scoring_pb2
 from proctor.proto.framing import STREAM_MEDIA_TYPE, frame
+from proctor.proto.wire import PROTOBUF_MEDIA_TYPE, RETRY_AFTER_HEADER, RETRY_AFTER_MS_HEADER, TIMEOUT_HEADER
 from proctor.server.auth import OPEN_PATHS, TokenAuth
 from proctor.server.bounded_json import loads_bounded
 from proctor.server.encoding import score_chunks, score_json, score_response, unembedding_chunks
 from proctor.server.errors import Code, ScoringError, invalid
 from proctor.server.service import Scored, ScoringService
 
-PROTOBUF = "application/x-protobuf"
-TIMEOUT_HEADER = "x-request-timeout"
 _JSON_FIELDS = {
     "request_id": str,
     "teacher_key": str,
@@ -47,8 +46,8 @@ _JSON_FIELDS = {
 def error_response(error: ScoringError) -> JSONResponse:
     headers = {}
     if error.retry_after is not None:
-        headers["Retry-After"] = str(max(1, round(error.retry_after)))
-        headers["X-Retry-After-Ms"] = str(int(error.retry_after * 1000))
+        headers[RETRY_AFTER_HEADER] = str(max(1, round(error.retry_after)))
+        headers[RETRY_AFTER_MS_HEADER] = str(int(error.retry_after * 1000))
     body = {"error": {"code": error.code.name, "message": error.message, "field": error.field}}
     return JSONResponse(body, status_code=error.code.http_status, headers=headers)
 
@@ -146,7 +145,7 @@ def request_from_json(body: Any) -> scoring_pb2.ScoreRequest:
 
 def decode_body(raw: bytes, content_type: str) -> scoring_pb2.ScoreRequest:
     """A ScoreRequest from a JSON or protobuf body; ScoringError names what is wrong."""
-    if content_type == PROTOBUF:
+    if content_type == PROTOBUF_MEDIA_TYPE:
         message = scoring_pb2.ScoreRequest()
         try:
             message.ParseFromString(raw)
@@ -155,7 +154,7 @@ def decode_body(raw: bytes, content_type: str) -> scoring_pb2.ScoreRequest:
         return message
     if content_type in ("application/json", ""):
         return request_from_json(loads_bounded(raw, field="body"))
-    raise invalid("content-type", f"{content_type!r} is not supported: use application/json or {PROTOBUF}")
+    raise invalid("content-type", f"{content_type!r} is not supported: use application/json or {PROTOBUF_MEDIA_TYPE}")
 
 
 def _too_large(size: int | str, limit: int) -> ScoringError:
@@ -192,7 +191,7 @@ _SCORE_BODY = {
                 "hidden_states": {"type": "boolean"},
                 "request_id": {"type": "string"},
             }, "required": ["token_ids"]}},
-            PROTOBUF: {"schema": {"type": "string", "format": "binary"}},
+            PROTOBUF_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}},
         },
     }
 }
@@ -284,10 +283,10 @@ def create_app(
         if scored is None:
             return Response(status_code=499)
         accept = request.headers.get("accept", "")
-        if PROTOBUF in accept or (content_type == PROTOBUF and "application/json" not in accept):
+        if PROTOBUF_MEDIA_TYPE in accept or (content_type == PROTOBUF_MEDIA_TYPE and "application/json" not in accept):
             payload = score_response(scored).SerializeToString()
             service.record_bytes(scored, len(payload))
-            return Response(payload, media_type=PROTOBUF)
+            return Response(payload, media_type=PROTOBUF_MEDIA_TYPE)
         payload = json.dumps(score_json(scored), separators=(",", ":")).encode()
         service.record_bytes(scored, len(payload))
         return Response(payload, media_type="application/json")

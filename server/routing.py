@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from proctor.proto import scoring_pb2
 from proctor.server.batcher import Batcher
 from proctor.server.engines.base import (
     EngineInfo,
@@ -54,12 +55,13 @@ def _caller_cancelled() -> bool:
     return bool(cancelling()) if cancelling is not None else False
 
 
-class ReplicaState(str, enum.Enum):
-    LOADING = "loading"
-    HEALTHY = "healthy"
-    UNHEALTHY = "unhealthy"
-    RESTARTING = "restarting"
-    SWAPPED_OUT = "swapped_out"
+class ReplicaState(enum.IntEnum):
+    """A replica's life (the wire's `ReplicaState`); only HEALTHY replicas take requests."""
+
+    LOADING = scoring_pb2.LOADING
+    HEALTHY = scoring_pb2.HEALTHY
+    UNHEALTHY = scoring_pb2.UNHEALTHY
+    RESTARTING = scoring_pb2.RESTARTING
 
 
 @dataclass

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from proctor.proto import scoring_pb2
+from proctor.proto import scoring_pb2, wire_dtype
 from proctor.server.bounded_json import loads_bounded
 from proctor.server.engines.base import EngineRequest, EngineResult, MediaItem, MultiModalInputs
 from proctor.server.errors import Code, ScoringError, invalid
@@ -330,7 +330,7 @@ class ScoringService:
         infos = []
         for teacher in self.router.teachers.values():
             replicas = [
-                scoring_pb2.ReplicaInfo(replica_id=r.replica_id, state=r.state.value, devices=list(r.devices), node=r.node)
+                scoring_pb2.ReplicaInfo(replica_id=r.replica_id, state=int(r.state), devices=list(r.devices), node=r.node)
                 for r in teacher.replicas
             ]
             try:
@@ -350,7 +350,7 @@ class ScoringService:
                     outputs=list(info.outputs),
                     replicas=replicas,
                     engine=info.engine,
-                    dtype=info.dtype,
+                    dtype=wire_dtype(info.dtype),
                     keys=list(teacher.keys),
                     media=list(info.media),
                 )

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from proctor.proto import decode_tensor, encode_tensor, iter_row_chunks
+from proctor.proto import decode_tensor, encode_tensor, iter_row_chunks, scoring_pb2
 from proctor.proto.codec import decode_numpy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,7 +36,7 @@ def test_torch_round_trip_is_exact(dtype):
 
 def test_bfloat16_travels_in_two_bytes_per_value():
     wire = encode_tensor(torch.ones(4, 8, dtype=torch.bfloat16))
-    assert wire.dtype == "bfloat16" and len(wire.data) == 4 * 8 * 2
+    assert wire.dtype == scoring_pb2.BFLOAT16 and len(wire.data) == 4 * 8 * 2
 
 
 def test_numpy_round_trip_and_zero_copy_decode():
@@ -60,7 +60,7 @@ def test_decode_rejects_inconsistent_messages():
     wire.shape[:] = [2, 4]
     with pytest.raises(ValueError, match="bytes"):
         decode_tensor(wire)
-    wire.dtype = "complex64"
+    wire.dtype = scoring_pb2.DTYPE_UNSPECIFIED
     with pytest.raises(ValueError, match="dtype"):
         decode_tensor(wire)
 

@@ -128,7 +128,7 @@ def test_list_teachers_describes_the_teacher(scoring_server, stub):
     (info,) = reply.teachers
     assert (info.name, info.vocab_size, info.hidden_size, info.engine) == ("tiny", 512, 64, scoring_server.engine)
     assert info.max_topk == 64 and len(info.fingerprint) == 16
-    assert info.replicas[0].state == "healthy"
+    assert info.replicas[0].state == scoring_pb2.HEALTHY
     via_http = httpx.get(scoring_server.http_url + "/v1/teachers").json()["teachers"][0]
     assert via_http["fingerprint"] == info.fingerprint
 

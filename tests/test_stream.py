@@ -37,11 +37,11 @@ def test_hidden_states_over_8_mib_arrive_whole_through_the_stream(wide_server):
         unary = stub.Score(request)
     assert len(chunks) > 8 and chunks[-1].last and not any(c.last for c in chunks[:-1])
     assert all(c.ByteSize() < 2 << 20 for c in chunks), "a chunk exceeded its size target"
-    pieces = [c.hidden_states for c in chunks if c.HasField("hidden_states")]
+    pieces = [c.response.hidden_states for c in chunks if c.response.HasField("hidden_states")]
     assert [p.first_row for p in pieces] == sorted(p.first_row for p in pieces)
     hidden = torch.cat([decode_tensor(p) for p in pieces])
     assert hidden.numel() * 4 > 8 << 20
     assert b"".join(p.data for p in pieces) == unary.hidden_states.data  # bit-exact reassembly
     ref = reference_rows(path, ids)
     torch.testing.assert_close(hidden, ref["hidden_states"], atol=1e-5, rtol=0)
-    torch.testing.assert_close(decode_tensor(chunks[0].logprobs).double(), ref["logprobs"], atol=1e-5, rtol=0)
+    torch.testing.assert_close(decode_tensor(chunks[0].response.logprobs).double(), ref["logprobs"], atol=1e-5, rtol=0)

@@ -91,8 +91,8 @@ def _check(model_dir, ids, response) -> None:
 def test_two_replicas_start_and_both_serve_correct_scores(two_replicas, vllm_model_dir):
     teachers = _stub(two_replicas).ListTeachers(scoring_pb2.TeachersRequest())
     (teacher,) = teachers.teachers
-    assert [r.state for r in teacher.replicas] == ["healthy", "healthy"]
-    assert teacher.dtype == "float32"  # dtype auto: the checkpoint's, as the torch engine serves it
+    assert [r.state for r in teacher.replicas] == [scoring_pb2.HEALTHY] * 2
+    assert teacher.dtype == scoring_pb2.FLOAT32  # dtype auto: the checkpoint's, as the torch engine serves it
     before = _metrics(two_replicas)
     work = sequences(48, seed=3, length=(20, 120))
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
