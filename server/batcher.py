@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 from proctor.server.engines.base import EngineError, EngineRequest, EngineResult, TeacherEngine
+from proctor.server.metrics import NULL_SINK, MetricsSink
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +36,12 @@ class _Pending:
 class Batcher:
     """Feeds one engine with batches bounded by its token budget."""
 
-    def __init__(self, engine: TeacherEngine, *, max_batch_requests: int = 256) -> None:
+    def __init__(
+        self, engine: TeacherEngine, *, max_batch_requests: int = 256, sink: MetricsSink = NULL_SINK, teacher: str = ""
+    ) -> None:
         self.engine = engine
+        self.sink = sink
+        self.teacher = teacher
         self.max_batch_requests = max_batch_requests
         self._queue: list[_Pending] = []
         self._wakeup = asyncio.Event()
@@ -59,6 +64,7 @@ class Batcher:
         for pending in self._queue:
             if not pending.future.done():
                 pending.future.cancel()
+        self.sink.queue_changed(self.teacher, waiting=-len(self._queue))
         self._queue.clear()
 
     @property
@@ -70,6 +76,7 @@ class Batcher:
         self.start()
         pending = _Pending(request)
         self._queue.append(pending)
+        self.sink.queue_changed(self.teacher, waiting=1)
         self._wakeup.set()
         try:
             return await asyncio.shield(pending.future)
@@ -100,6 +107,7 @@ class Batcher:
                 tokens += size
             else:
                 keep.append(pending)
+        self.sink.queue_changed(self.teacher, waiting=len(keep) - len(self._queue), running=len(batch))
         self._queue = keep
         return batch
 
@@ -143,6 +151,7 @@ class Batcher:
             finally:
                 self.running_requests = 0
                 self._running = set()
+                self.sink.queue_changed(self.teacher, running=-len(batch))
 
 
 def _log_abort_failure(task: asyncio.Task) -> None:

@@ -30,6 +30,10 @@ class _StatusCode(enum.Enum):
 Code = _StatusCode("Code", {name: name for name in STATUSES})
 
 
+# Seconds a client should wait while a server or teacher is loading or draining.
+NOT_READY_RETRY_S = 5.0
+
+
 class ScoringError(Exception):
     """A request failed in a way the caller should be told about."""
 

@@ -18,8 +18,8 @@ from grpc_health.v1.health import aio as health_aio
 from proctor.proto import scoring_pb2, scoring_pb2_grpc
 from proctor.proto.wire import GRPC_PUSHBACK_KEY, GRPC_RETRY_AFTER_KEY
 from proctor.server.auth import TokenAuth
-from proctor.server.encoding import score_chunks, score_response, unembedding_chunks
-from proctor.server.errors import Code, ScoringError, invalid
+from proctor.server.errors import ScoringError, invalid
+from proctor.server.responses import Responses
 from proctor.server.service import ScoringService
 
 log = logging.getLogger(__name__)
@@ -98,44 +98,24 @@ def add_scoring_service(servicer: TeacherScoringServicer, server: grpc.aio.Serve
 
 
 class TeacherScoringServicer(scoring_pb2_grpc.TeacherScoringServicer):
-    def __init__(self, service: ScoringService, *, max_message_bytes: int, stream_chunk_bytes: int) -> None:
+    def __init__(self, service: ScoringService, responses: Responses) -> None:
         self.service = service
-        self.max_message_bytes = max_message_bytes
-        self.stream_chunk_bytes = stream_chunk_bytes
-
-    def _check_unary_size(self, request: scoring_pb2.ScoreRequest) -> None:
-        """Refuse up front a unary answer that could not fit in one message."""
-        if not request.hidden_states:
-            return
-        teacher = self.service.router.route(request.teacher_key)
-        info = teacher.info
-        rows = max(0, len(request.token_ids) - (request.prompt_length if request.HasField("prompt_length") else 1))
-        size = rows * info.hidden_size * 4
-        if size > self.max_message_bytes // 2:
-            raise ScoringError(
-                Code.INVALID_ARGUMENT,
-                f"hidden_states: about {size >> 20} MiB of hidden states do not fit one message; use ScoreStream",
-                field="hidden_states",
-            )
+        self.responses = responses
 
     async def Score(self, request, context):
         try:
-            self._check_unary_size(request)
-            scored = await self.service.score(request, timeout=_deadline(context))
+            scored = await self.service.score(request, timeout=_deadline(context), unary=True)
         except ScoringError as error:
             await _abort(context, error)
-        response = score_response(scored)
-        self.service.record_bytes(scored, response.ByteSize())
-        return response
+        return self.responses.message(scored)
 
     async def ScoreStream(self, request, context) -> AsyncIterator[scoring_pb2.ScoreChunk]:
         try:
-            scored = await self.service.score(request, timeout=_deadline(context))
+            scored = await self.service.score(request, timeout=_deadline(context), unary=False)
         except ScoringError as error:
             await _abort(context, error)
             return
-        for chunk in score_chunks(scored, chunk_bytes=self.stream_chunk_bytes):
-            self.service.record_bytes(scored, chunk.ByteSize())
+        for chunk in self.responses.chunks(scored):
             yield chunk
 
     async def ListTeachers(self, request, context):
@@ -147,7 +127,7 @@ class TeacherScoringServicer(scoring_pb2_grpc.TeacherScoringServicer):
         except ScoringError as error:
             await _abort(context, error)
             return
-        for chunk in unembedding_chunks(weight, fingerprint, chunk_bytes=self.stream_chunk_bytes):
+        for chunk in self.responses.unembedding(weight, fingerprint):
             yield chunk
 
 
@@ -182,12 +162,12 @@ class GrpcServer:
     def __init__(
         self,
         service: ScoringService,
+        responses: Responses,
         *,
         host: str = "127.0.0.1",
         port: int = 0,
         auth: TokenAuth | None = None,
         max_message_bytes: int = 64 << 20,
-        stream_chunk_bytes: int = 2 << 20,
         tls: tuple[bytes, bytes, bytes | None] | None = None,
     ) -> None:
         self.service = service
@@ -198,10 +178,7 @@ class GrpcServer:
             ("grpc.so_reuseport", 0),
         ]
         self.server = grpc.aio.server(interceptors=[AuthInterceptor(auth or TokenAuth(None))], options=options)
-        add_scoring_service(
-            TeacherScoringServicer(service, max_message_bytes=max_message_bytes, stream_chunk_bytes=stream_chunk_bytes),
-            self.server,
-        )
+        add_scoring_service(TeacherScoringServicer(service, responses), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         from grpc_reflection.v1alpha import reflection
 

@@ -21,11 +21,17 @@ from starlette.requests import ClientDisconnect
 
 from proctor.proto import scoring_pb2
 from proctor.proto.framing import STREAM_MEDIA_TYPE, frame
-from proctor.proto.wire import PROTOBUF_MEDIA_TYPE, RETRY_AFTER_HEADER, RETRY_AFTER_MS_HEADER, TIMEOUT_HEADER
+from proctor.proto.wire import (
+    JSON_MEDIA_TYPE,
+    PROTOBUF_MEDIA_TYPE,
+    RETRY_AFTER_HEADER,
+    RETRY_AFTER_MS_HEADER,
+    TIMEOUT_HEADER,
+)
 from proctor.server.auth import OPEN_PATHS, TokenAuth
 from proctor.server.bounded_json import loads_bounded
-from proctor.server.encoding import score_chunks, score_json, score_response, unembedding_chunks
 from proctor.server.errors import Code, ScoringError, invalid
+from proctor.server.responses import Responses
 from proctor.server.service import Scored, ScoringService
 
 _JSON_FIELDS = {
@@ -238,10 +244,10 @@ class BearerTokenMiddleware:
 
 def create_app(
     service: ScoringService,
+    responses: Responses,
     *,
     auth: TokenAuth | None = None,
     max_body_bytes: int = 64 << 20,
-    stream_chunk_bytes: int = 2 << 20,
     open_paths: tuple[str, ...] = OPEN_PATHS,
 ) -> FastAPI:
     auth = auth or TokenAuth(None)
@@ -258,9 +264,11 @@ def create_app(
             return decode_body(raw, content_type), content_type
         return await asyncio.to_thread(decode_body, raw, content_type), content_type
 
-    async def score_unless_disconnected(request: Request, message: scoring_pb2.ScoreRequest) -> Scored | None:
+    async def score_unless_disconnected(
+        request: Request, message: scoring_pb2.ScoreRequest, *, unary: bool
+    ) -> Scored | None:
         """Score, but withdraw the request (None) if the client goes away first."""
-        task = asyncio.ensure_future(service.score(message, timeout=_timeout(request)))
+        task = asyncio.ensure_future(service.score(message, timeout=_timeout(request), unary=unary))
         watcher = asyncio.ensure_future(_until_disconnected(request))
         try:
             await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -277,19 +285,15 @@ def create_app(
     async def score(request: Request) -> Response:
         try:
             message, content_type = await parse(request)
-            scored = await score_unless_disconnected(request, message)
+            scored = await score_unless_disconnected(request, message, unary=True)
         except ScoringError as error:
             return error_response(error)
         if scored is None:
             return Response(status_code=499)
         accept = request.headers.get("accept", "")
         if PROTOBUF_MEDIA_TYPE in accept or (content_type == PROTOBUF_MEDIA_TYPE and "application/json" not in accept):
-            payload = score_response(scored).SerializeToString()
-            service.record_bytes(scored, len(payload))
-            return Response(payload, media_type=PROTOBUF_MEDIA_TYPE)
-        payload = json.dumps(score_json(scored), separators=(",", ":")).encode()
-        service.record_bytes(scored, len(payload))
-        return Response(payload, media_type="application/json")
+            return Response(responses.protobuf(scored), media_type=PROTOBUF_MEDIA_TYPE)
+        return Response(responses.json(scored), media_type=JSON_MEDIA_TYPE)
 
     @app.post(
         "/v1/score/stream",
@@ -299,19 +303,13 @@ def create_app(
     async def score_stream(request: Request) -> Response:
         try:
             message, _ = await parse(request)
-            scored = await score_unless_disconnected(request, message)
+            scored = await score_unless_disconnected(request, message, unary=False)
         except ScoringError as error:
             return error_response(error)
         if scored is None:
             return Response(status_code=499)
 
-        def frames():
-            for chunk in score_chunks(scored, chunk_bytes=stream_chunk_bytes):
-                data = frame(chunk)
-                service.record_bytes(scored, len(data))
-                yield data
-
-        return StreamingResponse(frames(), media_type=STREAM_MEDIA_TYPE)
+        return StreamingResponse((frame(chunk) for chunk in responses.chunks(scored)), media_type=STREAM_MEDIA_TYPE)
 
     @app.get(
         "/v1/unembedding",
@@ -323,7 +321,7 @@ def create_app(
         except ScoringError as error:
             return error_response(error)
         return StreamingResponse(
-            (frame(chunk) for chunk in unembedding_chunks(weight, fingerprint, chunk_bytes=stream_chunk_bytes)),
+            (frame(chunk) for chunk in responses.unembedding(weight, fingerprint)),
             media_type=STREAM_MEDIA_TYPE,
         )
 

@@ -1,5 +1,10 @@
 """Prometheus metrics, named `proctor:*` in the style of vLLM's `vllm:*`.
 
+This module owns every Prometheus object. Components never touch them: they are handed a
+`MetricsSink` and report events to it (a replica's state changed, a batch started, a teacher
+was swapped in), as vLLM's engine reports to its stat loggers; `Metrics` is the sink that
+turns events into counters and gauges, `NULL_SINK` the one that ignores them.
+
 One process owns every counter: the gRPC and HTTP servers run in the same event loop, so
 the numbers are exact without prometheus' multiprocess mode. Each server gets its own
 registry, so several servers in one process (tests) never share counts.
@@ -14,7 +19,34 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0
                     1.0, 1.5, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
-class Metrics:
+class MetricsSink:
+    """What components report; every method does nothing here (the null sink)."""
+
+    def replica_state(self, teacher: str, replica: str, healthy: bool) -> None:
+        """A replica entered or left the rotation."""
+
+    def replica_failed(self, teacher: str, replica: str) -> None:
+        """A replica was taken out of rotation after a replica error."""
+
+    def replica_restarted(self, teacher: str, replica: str) -> None:
+        """A failed replica is back."""
+
+    def replica_scored(self, teacher: str, replica: str) -> None:
+        """A replica delivered one request's result."""
+
+    def queue_changed(self, teacher: str, *, waiting: int = 0, running: int = 0) -> None:
+        """Requests started (+) or stopped (-) waiting for a batch, or running in one."""
+
+    def teacher_swapped(self, teacher: str) -> None:
+        """A shared replica group copied this teacher's weights onto its devices."""
+
+
+NULL_SINK = MetricsSink()
+
+
+class Metrics(MetricsSink):
+    """The Prometheus registry of one server, fed by the events of its components."""
+
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
@@ -42,10 +74,49 @@ class Metrics:
                                         ["teacher", "replica"], registry=r)
         self.replica_restarts = Counter("proctor:replica_restarts", "Times a failed replica was restarted.",
                                         ["teacher", "replica"], registry=r)
-        self.replica_scored = Counter("proctor:replica_scored_requests", "Results delivered by each replica.",
+        self.replica_results = Counter("proctor:replica_scored_requests", "Results delivered by each replica.",
                                       ["teacher", "replica"], registry=r)
         self.teacher_swaps = Counter("proctor:teacher_swaps", "Teacher weights swapped onto devices.",
                                      ["teacher"], registry=r)
+
+    # -- the sink --------------------------------------------------------------------------
+    def replica_state(self, teacher: str, replica: str, healthy: bool) -> None:
+        self.replica_healthy.labels(teacher, replica).set(1.0 if healthy else 0.0)
+        for counter in (self.replica_failures, self.replica_restarts, self.replica_results):
+            counter.labels(teacher, replica)  # every replica's series exists from its first state
+
+    def replica_failed(self, teacher: str, replica: str) -> None:
+        self.replica_failures.labels(teacher, replica).inc()
+
+    def replica_restarted(self, teacher: str, replica: str) -> None:
+        self.replica_restarts.labels(teacher, replica).inc()
+
+    def replica_scored(self, teacher: str, replica: str) -> None:
+        self.replica_results.labels(teacher, replica).inc()
+
+    def queue_changed(self, teacher: str, *, waiting: int = 0, running: int = 0) -> None:
+        if waiting:
+            self.waiting.labels(teacher).inc(waiting)
+        if running:
+            self.running.labels(teacher).inc(running)
+
+    def teacher_swapped(self, teacher: str) -> None:
+        self.teacher_swaps.labels(teacher).inc()
+
+    # -- the service's own counts ----------------------------------------------------------
+    def request_done(self, teacher: str, mode: str, outcome: str) -> None:
+        self.requests.labels(teacher, mode, outcome).inc()
+
+    def request_scored(self, teacher: str, mode: str, tokens: int, *, latency: float, queue: float,
+                       engine: float) -> None:
+        self.requests.labels(teacher, mode, "ok").inc()
+        self.scored_tokens.labels(teacher, mode).inc(tokens)
+        self.request_latency.labels(teacher).observe(latency)
+        self.queue_time.labels(teacher).observe(queue)
+        self.engine_time.labels(teacher).observe(engine)
+
+    def response_sent(self, teacher: str, mode: str, size: int) -> None:
+        self.response_bytes.labels(teacher, mode).inc(size)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

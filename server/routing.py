@@ -36,7 +36,8 @@ from proctor.server.engines.base import (
     RequestRejected,
     TeacherEngine,
 )
-from proctor.server.errors import Code, ScoringError
+from proctor.server.errors import NOT_READY_RETRY_S, Code, ScoringError
+from proctor.server.metrics import NULL_SINK, MetricsSink
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,9 @@ class Replica:
     served: int = 0  # results this replica delivered (a request computed twice would show here)
     failures: int = 0
     restarts: int = 0
+    # Set by the replica set that holds it: the teacher it serves and where it reports events.
+    teacher: str = ""
+    sink: MetricsSink = field(default=NULL_SINK, repr=False)
     _restart_task: asyncio.Task | None = field(default=None, repr=False)
     # Bumped whenever the replica is taken down, so a waiter can tell "my replica went away"
     # from "my caller cancelled me".
@@ -87,8 +91,7 @@ class Replica:
     @property
     def load(self) -> int:
         """Routing load: outstanding tokens, plus what the engine adds (a shared group's other work)."""
-        extra = getattr(self.engine, "extra_load", None)
-        return self.outstanding_tokens + (int(extra()) if callable(extra) else 0)
+        return self.outstanding_tokens + (self.engine.extra_load() if self.engine is not None else 0)
 
     async def take_down(self) -> None:
         """Close the batcher (its waiters get ReplicaLost) and the engine; keep the restart task."""
@@ -106,7 +109,7 @@ class Replica:
         engine = await self.factory()
         await engine.start()
         self.engine = engine
-        self.batcher = Batcher(engine)
+        self.batcher = Batcher(engine, sink=self.sink, teacher=self.teacher)
         self.batcher.start()
         self.state = ReplicaState.HEALTHY
 
@@ -132,6 +135,7 @@ class Replica:
         finally:
             self.outstanding_tokens -= request.num_tokens
         self.served += 1
+        self.sink.replica_scored(self.teacher, self.replica_id)
         return result
 
 
@@ -142,7 +146,7 @@ class RestartPolicy:
 
 
 
-class Teacher:
+class ReplicaSet:
     """A named teacher: its routing keys and replicas, and the failover around them.
 
     `policy` picks a replica: "least_outstanding" (the default) sends each request to the
@@ -158,7 +162,6 @@ class Teacher:
         *,
         keys: tuple[str, ...] = (),
         restart: RestartPolicy | None = None,
-        on_replica_state: Callable[[Teacher, Replica], None] | None = None,
         policy: str = "least_outstanding",
         health_check_interval_s: float | None = 5.0,
         swap_groups: tuple[Any, ...] = (),
@@ -174,15 +177,21 @@ class Teacher:
         self.policy = policy
         self.health_check_interval_s = health_check_interval_s
         self.swap_groups = swap_groups
-        self._on_replica_state = on_replica_state
+        self.sink: MetricsSink = NULL_SINK
+        self.recent_batch_s = 0.05  # moving average of the engine time of recent batches
+        for replica in replicas:
+            replica.teacher = name
         self._info: EngineInfo | None = None
         self._rr = 0
         self._sweeper: asyncio.Task | None = None
 
-    def attach_metrics(self, metrics: Any) -> None:
-        """Count this teacher's swap groups' weight swaps in `metrics.teacher_swaps`."""
+    def use_metrics(self, sink: MetricsSink) -> None:
+        """Report this teacher's events (its replicas', its swap groups') to `sink`."""
+        self.sink = sink
+        for replica in self.replicas:
+            replica.sink = sink
         for group in self.swap_groups:
-            group.on_swap = lambda teacher, m=metrics: m.teacher_swaps.labels(teacher).inc()
+            group.sink = sink
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -206,15 +215,14 @@ class Teacher:
     @property
     def info(self) -> EngineInfo:
         if self._info is None:
-            raise ScoringError(Code.UNAVAILABLE, f"teacher {self.name!r} is still loading", retry_after=5.0)
+            raise ScoringError(Code.UNAVAILABLE, f"teacher {self.name!r} is still loading", retry_after=NOT_READY_RETRY_S)
         return self._info
 
     def healthy(self) -> list[Replica]:
         return [r for r in self.replicas if r.state is ReplicaState.HEALTHY]
 
     def _notify(self, replica: Replica) -> None:
-        if self._on_replica_state is not None:
-            self._on_replica_state(self, replica)
+        self.sink.replica_state(self.name, replica.replica_id, replica.state is ReplicaState.HEALTHY)
 
     # -- routing and failover --------------------------------------------------------------
     def pick(self, exclude: set[str]) -> Replica | None:
@@ -239,16 +247,16 @@ class Teacher:
                     raise ScoringError(
                         Code.UNAVAILABLE,
                         f"teacher {self.name!r}: no healthy replica left to retry this request ({last_error})",
-                        retry_after=self._retry_hint(),
+                        retry_after=self.retry_hint(),
                     )
                 raise ScoringError(
                     Code.UNAVAILABLE,
                     f"teacher {self.name!r} has no healthy replica",
-                    retry_after=self._retry_hint(),
+                    retry_after=self.retry_hint(),
                 )
             tried.add(replica.replica_id)
             try:
-                return await replica.score(request)
+                result = await replica.score(request)
             except (asyncio.CancelledError, ScoringError):
                 raise
             except RequestRejected as exc:  # the request's fault: the replica stays in rotation
@@ -260,9 +268,24 @@ class Teacher:
             except Exception as exc:
                 last_error = exc
                 self.mark_failed(replica, exc)
+            else:
+                self.recent_batch_s += 0.1 * (result.engine_seconds - self.recent_batch_s)
+                return result
 
-    def _retry_hint(self) -> float:
-        return min(self.restart_policy.max_backoff_s, max(1.0, self.restart_policy.initial_backoff_s * 2))
+    def retry_hint(self, admitted_tokens: int = 0) -> float:
+        """The one retry hint (seconds) for a refused request of this teacher.
+
+        With healthy replicas: the recent time of one batch (an average over the last results)
+        times the batches queued ahead of a new request on each replica (`admitted_tokens`
+        over their token budgets), so a client comes back about when its turn would start.
+        With none: the next restart attempt's backoff.
+        """
+        healthy = [r for r in self.healthy() if r.engine is not None]
+        if not healthy:
+            return min(self.restart_policy.max_backoff_s, max(1.0, self.restart_policy.initial_backoff_s * 2))
+        capacity = sum(r.engine.token_budget() for r in healthy)
+        ahead = 1.0 + admitted_tokens / max(1, capacity)
+        return round(min(30.0, max(0.05, self.recent_batch_s * ahead)), 3)
 
     def mark_failed(self, replica: Replica, error: BaseException) -> None:
         """Take a replica out of rotation and restart it in the background."""
@@ -270,6 +293,7 @@ class Teacher:
             return
         log.warning("teacher %s replica %s failed: %s; restarting", self.name, replica.replica_id, error)
         replica.failures += 1
+        self.sink.replica_failed(self.name, replica.replica_id)
         replica.state = ReplicaState.UNHEALTHY
         self._notify(replica)
         replica._restart_task = asyncio.get_running_loop().create_task(self._restart(replica))
@@ -295,6 +319,7 @@ class Teacher:
                 backoff = min(self.restart_policy.max_backoff_s, backoff * 2)
                 continue
             replica.restarts += 1
+            self.sink.replica_restarted(self.name, replica.replica_id)
             replica._restart_task = None
             log.info("replica %s/%s back after %.1fs", self.name, replica.replica_id, time.monotonic() - started)
             self._notify(replica)
@@ -319,14 +344,14 @@ class Teacher:
 
 
 class Router:
-    """teacher_key -> Teacher. With one teacher the key is optional; otherwise it is required."""
+    """teacher_key -> ReplicaSet. With one teacher the key is optional; otherwise it is required."""
 
-    def __init__(self, teachers: list[Teacher], *, on_close: tuple[Callable[[], None], ...] = ()) -> None:
+    def __init__(self, teachers: list[ReplicaSet], *, on_close: tuple[Callable[[], None], ...] = ()) -> None:
         self.teachers = {t.name: t for t in teachers}
         # Releases what the replicas were placed on (the Ray pool's placement groups), after
         # every replica has stopped.
         self.on_close = on_close
-        self._by_key: dict[str, Teacher] = {}
+        self._by_key: dict[str, ReplicaSet] = {}
         for teacher in teachers:
             for key in teacher.keys:
                 if key in self._by_key and self._by_key[key] is not teacher:
@@ -343,12 +368,12 @@ class Router:
             except Exception:
                 log.exception("releasing the replicas' placement failed")
 
-    def attach_metrics(self, metrics: Any) -> None:
-        """Let every teacher count into the service's metrics (weight swaps)."""
+    def use_metrics(self, sink: MetricsSink) -> None:
+        """Every teacher reports its events to `sink` (the service's metrics)."""
         for teacher in self.teachers.values():
-            teacher.attach_metrics(metrics)
+            teacher.use_metrics(sink)
 
-    def route(self, key: str) -> Teacher:
+    def route(self, key: str) -> ReplicaSet:
         if not key:
             if len(self.teachers) == 1:
                 return next(iter(self.teachers.values()))

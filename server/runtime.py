@@ -14,7 +14,7 @@ import signal
 import socket
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import uvicorn
@@ -23,7 +23,8 @@ from proctor.server.auth import TokenAuth
 from proctor.server.engines import EngineSpec, create_replica_engine
 from proctor.server.grpc_app import GrpcServer
 from proctor.server.http_app import create_app
-from proctor.server.routing import Replica, Router, Teacher
+from proctor.server.responses import Responses
+from proctor.server.routing import Replica, ReplicaSet, Router
 from proctor.server.service import Limits, ScoringService
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ def single_teacher_router(
 
     ids = [f"{name}-{i}" for i in range(replicas)]
     replica_set = [Replica(i, factory_for(i)) for i in ids]
-    return Router([Teacher(name, replica_set, health_check_interval_s=health_check_interval_s)])
+    return Router([ReplicaSet(name, replica_set, health_check_interval_s=health_check_interval_s)])
 
 
 HTTP_CLOSE_GRACE_S = 5.0
@@ -96,23 +97,18 @@ class ProctorServer:
 
     def __init__(self, router: Router, options: ServerOptions) -> None:
         self.options = options
-        self.service = ScoringService(router, limits=options.limits)
+        limits = replace(options.limits, max_answer_bytes=options.max_message_bytes // 2)
+        self.service = ScoringService(router, limits=limits)
         auth = TokenAuth(options.auth_token)
         tls = None
         if options.tls_cert_file and options.tls_key_file:
             client_ca = Path(options.tls_client_ca_file).read_bytes() if options.tls_client_ca_file else None
             tls = (Path(options.tls_cert_file).read_bytes(), Path(options.tls_key_file).read_bytes(), client_ca)
-        self.grpc = GrpcServer(
-            self.service,
-            host=options.host,
-            port=options.grpc_port,
-            auth=auth,
-            max_message_bytes=options.max_message_bytes,
-            stream_chunk_bytes=options.stream_chunk_bytes,
-            tls=tls,
-        )
-        app = create_app(self.service, auth=auth, max_body_bytes=options.max_message_bytes,
-                         stream_chunk_bytes=options.stream_chunk_bytes, open_paths=options.open_paths)
+        responses = Responses(self.service.metrics, chunk_bytes=options.stream_chunk_bytes)
+        self.grpc = GrpcServer(self.service, responses, host=options.host, port=options.grpc_port, auth=auth,
+                               max_message_bytes=options.max_message_bytes, tls=tls)
+        app = create_app(self.service, responses, auth=auth, max_body_bytes=options.max_message_bytes,
+                         open_paths=options.open_paths)
         ssl = {}
         if options.tls_cert_file and options.tls_key_file:
             ssl = {"ssl_certfile": options.tls_cert_file, "ssl_keyfile": options.tls_key_file}

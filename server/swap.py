@@ -21,12 +21,12 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from proctor.server.engines.base import (
+    DEFAULT_TOKEN_BUDGET,
     EngineError,
     EngineInfo,
     EngineRequest,
@@ -35,6 +35,7 @@ from proctor.server.engines.base import (
     TeacherEngine,
 )
 from proctor.server.engines.torch_engine import TorchEngine
+from proctor.server.metrics import NULL_SINK, MetricsSink
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,6 @@ class SwapGroup:
         specs: dict[str, EngineSpec],
         *,
         max_consecutive_batches: int = 4,
-        on_swap: Callable[[str], None] | None = None,
     ) -> None:
         if len(specs) < 2:
             raise ValueError(f"swap group {group_id}: needs at least two teachers, got {list(specs)}")
@@ -84,7 +84,7 @@ class SwapGroup:
         self.group_id = group_id
         self.specs = specs
         self.max_consecutive_batches = max_consecutive_batches
-        self.on_swap = on_swap
+        self.sink: MetricsSink = NULL_SINK  # set by the replica sets that use the group
         self.resident: str | None = None
         self.swaps: dict[str, int] = {name: 0 for name in specs}
         self.batches_run: list[str] = []  # teacher of every batch, in order (observable scheduling)
@@ -179,7 +179,7 @@ class SwapGroup:
         return stored.state[stored.unembedding_key]
 
     def token_budget(self) -> int:
-        return self._engine.token_budget() if self._engine is not None else 8192
+        return self._engine.token_budget() if self._engine is not None else DEFAULT_TOKEN_BUDGET
 
     def foreign_load(self, teacher: str) -> int:
         """Tokens queued here for other teachers, plus a swap's cost if `teacher` is not resident."""
@@ -252,8 +252,7 @@ class SwapGroup:
             module.load_state_dict(self._stored[teacher].state, strict=True)
         previous, self.resident = self.resident, teacher
         self.swaps[teacher] += 1
-        if self.on_swap is not None:
-            self.on_swap(teacher)
+        self.sink.teacher_swapped(teacher)
         log.info("swap group %s: %s -> %s in %.3fs", self.group_id, previous, teacher, time.monotonic() - started)
 
 

@@ -18,6 +18,10 @@ from typing import Any, Union
 
 import torch
 
+# Tokens an engine takes in one batch unless its settings say otherwise (vLLM's default
+# max_num_batched_tokens on GPUs; the torch engine pads a batch to its longest sequence).
+DEFAULT_TOKEN_BUDGET = 8192
+
 
 @dataclass(frozen=True)
 class MediaItem:
@@ -186,7 +190,12 @@ class TeacherEngine(abc.ABC):
 
     def token_budget(self) -> int:
         """Most tokens the engine wants in one batch (the service's batcher respects it)."""
-        return 8192
+        return DEFAULT_TOKEN_BUDGET
+
+    def extra_load(self) -> int:
+        """Tokens of work the engine has beyond its replica's own requests (routing adds them
+        to the replica's load): a shared replica group's other teachers, say."""
+        return 0
 
     async def start(self) -> None:  # noqa: B027  (optional hook)
         """Load weights / start background workers (called once before serving)."""
@@ -197,6 +206,14 @@ class TeacherEngine(abc.ABC):
     async def check_health(self) -> bool:
         """Cheap liveness check used by the pool; engines with a sub-process override it."""
         return True
+
+
+def serving_dtype(requested: str | None, checkpoint: Any) -> str:
+    """The dtype a teacher is served in: as requested, and for "auto" the checkpoint's own
+    (float32 when it names none) on every engine, so engines agree on the same model."""
+    if requested and requested != "auto":
+        return requested
+    return str(checkpoint).removeprefix("torch.") if checkpoint else "float32"
 
 
 @dataclass(frozen=True)

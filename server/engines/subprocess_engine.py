@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from proctor.server.engines.base import (
+    DEFAULT_TOKEN_BUDGET,
     EngineError,
     EngineInfo,
     EngineRequest,
@@ -81,7 +82,7 @@ class SubprocessEngine(TeacherEngine):
         self._tasks: list[asyncio.Task] = []
         self._tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
         self._info: EngineInfo | None = None
-        self._budget = 8192
+        self._budget = DEFAULT_TOKEN_BUDGET
         self._unembedding: torch.Tensor | None = None
         self._exit: str | None = None
         self._suspect = False  # a health check or call failed: close kills at once, no goodbye

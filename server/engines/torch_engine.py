@@ -16,7 +16,9 @@ from pathlib import Path
 
 import torch
 
+from proctor.proto import torch_dtype
 from proctor.server.engines.base import (
+    DEFAULT_TOKEN_BUDGET,
     EngineError,
     EngineInfo,
     EngineRequest,
@@ -25,6 +27,7 @@ from proctor.server.engines.base import (
     Outcome,
     RequestRejected,
     TeacherEngine,
+    serving_dtype,
 )
 from proctor.server.fingerprint import model_fingerprint
 
@@ -33,7 +36,6 @@ log = logging.getLogger(__name__)
 # transformers resolves its lazy attributes on first touch, which is not thread-safe: two
 # replicas loading at once on worker threads can see ImportError for AutoConfig. One lock.
 _IMPORT_LOCK = threading.Lock()
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Rows of logits materialised at once in the lm_head step (bounds memory for large vocabularies).
 _LOGIT_ROWS = 2048
 
@@ -61,7 +63,7 @@ class TorchEngine(TeacherEngine):
         self.forward_passes = 0  # observable batching: how many forward passes ran
         inference = spec.inference or {}
         self._max_model_len = inference.get("max_model_len")
-        self._budget = int(inference.get("max_num_batched_tokens") or 16384)
+        self._budget = int(inference.get("max_num_batched_tokens") or DEFAULT_TOKEN_BUDGET)
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -75,9 +77,7 @@ class TorchEngine(TeacherEngine):
         if not (path / "config.json").exists():
             raise EngineError(f"model_path {str(path)!r} is not a model directory (no config.json)")
         config = AutoConfig.from_pretrained(path, local_files_only=True)
-        dtype = _DTYPES.get(self.spec.dtype) or getattr(config, "dtype", None) or torch.float32
-        if isinstance(dtype, str):
-            dtype = _DTYPES.get(dtype, torch.float32)
+        dtype = torch_dtype(serving_dtype(self.spec.dtype, getattr(config, "dtype", None)))
         device = resolve_device(self.spec.device)
         model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
         model.to(device).eval()

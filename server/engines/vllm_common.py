@@ -34,8 +34,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from proctor.proto import torch_dtype
 from proctor.server.engines import EngineConfigError
 from proctor.server.engines.base import (
+    DEFAULT_TOKEN_BUDGET,
     EngineError,
     EngineInfo,
     EngineRequest,
@@ -45,6 +47,7 @@ from proctor.server.engines.base import (
     RequestAborted,
     RequestRejected,
     TeacherEngine,
+    serving_dtype,
 )
 from proctor.server.engines.checks import check_model_path
 
@@ -111,10 +114,9 @@ def resolve_dtype(spec: EngineSpec) -> str:
     if spec.dtype and spec.dtype != "auto":
         return spec.dtype
     try:
-        dtype = model_facts(spec.model_path).dtype
-    except (EngineConfigError, OSError, KeyError, ValueError):
+        return serving_dtype(spec.dtype, model_facts(spec.model_path).dtype)
+    except (EngineConfigError, OSError, KeyError, ValueError):  # a nested config: vLLM reads it
         return "auto"
-    return str(dtype).removeprefix("torch.") if dtype else "auto"
 
 
 def engine_args_from_settings(
@@ -438,7 +440,6 @@ def classify_error(request: EngineRequest, exc: BaseException) -> RequestRejecte
 # The replica skeleton
 # --------------------------------------------------------------------------------------------
 
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # How long the EngineCore may take to answer a health probe (a utility call that it answers
 # between two steps): a stopped or wedged core fails the health check within this bound.
 PROBE_TIMEOUT_S = 10.0
@@ -480,9 +481,7 @@ class VllmFamilyEngine(TeacherEngine):
         await self._start_engines()
         self._started = True
         max_len = int(self.settings.get("max_model_len") or await self._engine_max_model_len())
-        dtype = resolve_dtype(self.spec)
-        self._dtype = TORCH_DTYPES.get(dtype, TORCH_DTYPES.get(str(facts.dtype or "").removeprefix("torch."),
-                                                              torch.bfloat16))
+        self._dtype = torch_dtype(serving_dtype(self.spec.dtype, facts.dtype))
         self._info = EngineInfo(
             engine=self.engine_name,
             model=Path(self.spec.model_path).name,
@@ -526,7 +525,7 @@ class VllmFamilyEngine(TeacherEngine):
         return self._info
 
     def token_budget(self) -> int:
-        return int(self.settings.get("max_num_batched_tokens") or 8192)
+        return int(self.settings.get("max_num_batched_tokens") or DEFAULT_TOKEN_BUDGET)
 
     def unembedding(self) -> torch.Tensor:
         if self._unembedding is None:

@@ -1,17 +1,20 @@
-"""Turn a scored request into wire messages: a unary response, stream chunks, or JSON.
+"""Every answer to a scored request is built here, and its bytes counted here.
 
-Both transports (and the protobuf flavour of HTTP) build their answers here, so the row
-convention and dtypes are decided in one place.
+Both transports (and the protobuf and JSON flavours of HTTP) ask `Responses` for a unary
+message, its serialised bytes, stream chunks or a JSON body, so the row convention and dtypes
+are decided in one place, and `proctor:response_bytes` counts exactly what is sent.
 """
 
 from __future__ import annotations
 
 import base64
+import json
 from collections.abc import Iterator
 
 import torch
 
 from proctor.proto import dtype_name, encode_tensor, iter_row_chunks, scoring_pb2
+from proctor.server.metrics import MetricsSink
 from proctor.server.service import Scored
 
 
@@ -41,14 +44,14 @@ def _small_outputs(scored: Scored) -> dict:
     return out
 
 
-def score_response(scored: Scored) -> scoring_pb2.ScoreResponse:
+def _response(scored: Scored) -> scoring_pb2.ScoreResponse:
     response = scoring_pb2.ScoreResponse(**_header(scored), **_small_outputs(scored))
     if scored.result.hidden_states is not None:
         response.hidden_states.CopyFrom(encode_tensor(scored.result.hidden_states, first_row=scored.result.first_row))
     return response
 
 
-def score_chunks(scored: Scored, *, chunk_bytes: int = 2 << 20) -> Iterator[scoring_pb2.ScoreChunk]:
+def _chunks(scored: Scored, *, chunk_bytes: int) -> Iterator[scoring_pb2.ScoreChunk]:
     """Header and small outputs first, then hidden states in chunks of whole rows."""
     header = _header(scored)
     hidden = scored.result.hidden_states
@@ -65,7 +68,7 @@ def _rows_with_nulls(values: torch.Tensor, first_row: int, num_tokens: int) -> l
     return [None] * first_row + values.tolist() + [None] * (num_tokens - first_row - values.shape[0])
 
 
-def score_json(scored: Scored) -> dict:
+def _json(scored: Scored) -> dict:
     result, first, total = scored.result, scored.result.first_row, scored.num_tokens
     body: dict = {**_header(scored)}
     if result.logprobs is not None:
@@ -84,10 +87,46 @@ def score_json(scored: Scored) -> dict:
     return body
 
 
-def unembedding_chunks(weight: torch.Tensor, fingerprint: str, *, chunk_bytes: int = 2 << 20) -> Iterator[scoring_pb2.TensorChunk]:
+def _unembedding_chunks(weight: torch.Tensor, fingerprint: str, *, chunk_bytes: int) -> Iterator[scoring_pb2.TensorChunk]:
     """The [V, H] weight in whole rows, each chunk carrying the full shape and the fingerprint."""
     pieces = list(iter_row_chunks(weight, target_bytes=chunk_bytes))
     for index, piece in enumerate(pieces):
         yield scoring_pb2.TensorChunk(
             tensor=piece, full_shape=list(weight.shape), fingerprint=fingerprint, last=index == len(pieces) - 1
         )
+
+
+class Responses:
+    """Builds the answers of one server and reports each one's size to its metrics."""
+
+    def __init__(self, metrics: MetricsSink, *, chunk_bytes: int = 2 << 20) -> None:
+        self.metrics = metrics
+        self.chunk_bytes = chunk_bytes
+
+    def message(self, scored: Scored) -> scoring_pb2.ScoreResponse:
+        """The unary ScoreResponse (gRPC serialises it)."""
+        response = _response(scored)
+        self.metrics.response_sent(scored.teacher, scored.mode, response.ByteSize())
+        return response
+
+    def protobuf(self, scored: Scored) -> bytes:
+        """The unary ScoreResponse, serialised (HTTP's protobuf answer)."""
+        payload = _response(scored).SerializeToString()
+        self.metrics.response_sent(scored.teacher, scored.mode, len(payload))
+        return payload
+
+    def json(self, scored: Scored) -> bytes:
+        """The JSON answer: all T rows, null where a row has no value."""
+        payload = json.dumps(_json(scored), separators=(",", ":")).encode()
+        self.metrics.response_sent(scored.teacher, scored.mode, len(payload))
+        return payload
+
+    def chunks(self, scored: Scored) -> Iterator[scoring_pb2.ScoreChunk]:
+        """The streamed answer: header and small outputs, then hidden states in whole rows."""
+        for chunk in _chunks(scored, chunk_bytes=self.chunk_bytes):
+            self.metrics.response_sent(scored.teacher, scored.mode, chunk.ByteSize())
+            yield chunk
+
+    def unembedding(self, weight: torch.Tensor, fingerprint: str) -> Iterator[scoring_pb2.TensorChunk]:
+        """A teacher's [V, H] lm_head in whole rows, each chunk with the full shape and fingerprint."""
+        return _unembedding_chunks(weight, fingerprint, chunk_bytes=self.chunk_bytes)

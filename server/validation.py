@@ -1,0 +1,159 @@
+"""A `ScoreRequest` off the wire → one validated request, checked once for both transports.
+
+`validate` checks every field against what the teacher the request was routed to serves (its real limits: vLLM keeps one `max_model_len` slot for the prefill's
+output token), checks that a unary answer fits one message, and builds the `EngineRequest`
+with the token ids in the one array form every engine takes (an int64 tensor over a numpy
+buffer). Media are decoded afterwards, off the event loop (`decode`), still before admission.
+Each check raises `invalid(field, ...)`: INVALID_ARGUMENT naming the field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from proctor.proto import scoring_pb2
+from proctor.server.bounded_json import loads_bounded
+from proctor.server.engines.base import EngineInfo, EngineRequest, MediaItem, MultiModalInputs
+from proctor.server.errors import Code, ScoringError, invalid
+from proctor.server.media import MediaLimits, decode_media
+from proctor.server.routing import ReplicaSet
+
+
+@dataclass(frozen=True)
+class ValidRequest:
+    """A request every check has passed: the teacher that scores it and what to score."""
+
+    teacher: ReplicaSet
+    request: EngineRequest
+    mode: str  # metrics label: what was asked for, e.g. "logprobs+topk"
+
+
+def request_mode(request: scoring_pb2.ScoreRequest) -> str:
+    """A metrics label naming what was asked for, e.g. "logprobs+topk"."""
+    parts = [name for name, on in (("logprobs", request.logprobs), ("topk", request.topk > 0),
+                                   ("hidden_states", request.hidden_states)) if on]
+    return "+".join(parts) or "none"
+
+
+def validate(teacher: ReplicaSet, request: scoring_pb2.ScoreRequest, *, max_answer_bytes: int | None) -> ValidRequest:
+    """Check a request once against the teacher it was routed to; `max_answer_bytes` bounds a
+    unary answer (None: a streamed one)."""
+    info = teacher.info
+    ids = _token_ids(request, info, teacher.name)
+    first_row = _first_row(request, len(ids))
+    _check_outputs(request, info, teacher.name)
+    if max_answer_bytes is not None and request.hidden_states:
+        size = (len(ids) - first_row) * info.hidden_size * 4
+        if size > max_answer_bytes:
+            raise invalid("hidden_states", f"about {size >> 20} MiB of hidden states do not fit one message; "
+                          "stream them (gRPC ScoreStream, HTTP /v1/score/stream)")
+    media = _media_inputs(request, info, teacher.name)
+    engine_request = EngineRequest(
+        request_id=request.request_id or uuid.uuid4().hex,
+        token_ids=torch.from_numpy(ids),
+        first_row=first_row,
+        logprobs=request.logprobs,
+        topk=request.topk,
+        hidden_states=request.hidden_states,
+        media=media if media else None,
+    )
+    return ValidRequest(teacher, engine_request, request_mode(request))
+
+
+async def decode(valid: ValidRequest, limits: MediaLimits) -> ValidRequest:
+    """The request with its media decoded and bounded, off the event loop: a bad item is this
+    request's INVALID_ARGUMENT and never reaches a replica."""
+    if not valid.request.media:
+        return valid
+    try:
+        media = await asyncio.to_thread(decode_media, valid.request.media, limits)
+    except ValueError as exc:
+        field = str(exc).split(":", 1)[0].split("[", 1)[0] or "images"
+        raise ScoringError(Code.INVALID_ARGUMENT, str(exc), field=field) from None
+    return replace(valid, request=replace(valid.request, media=media))
+
+
+def _token_ids(request: scoring_pb2.ScoreRequest, info: EngineInfo, teacher: str) -> np.ndarray:
+    count = len(request.token_ids)
+    if count > info.max_sequence_tokens:  # before any copy of a huge list
+        spare = "" if info.max_sequence_tokens == info.max_model_len else (
+            "; the engine keeps one of its max_model_len slots for the output token of the prefill")
+        raise invalid("token_ids", f"has {count} tokens, more than teacher {teacher!r} scores "
+                      f"({info.max_sequence_tokens}: max_model_len {info.max_model_len}{spare})")
+    if count == 0:
+        raise invalid("token_ids", "is empty; send the prompt and response token ids")
+    if count < 2:
+        raise invalid("token_ids", "needs at least 2 tokens (row 0 has no prefix to score)")
+    # numpy, not torch: torch calls on the event loop can stall behind an engine's thread.
+    ids = np.asarray(request.token_ids, dtype=np.int64)
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= info.vocab_size:
+        bad = low if low < 0 else high
+        position = int(np.flatnonzero(ids == bad)[0])
+        raise invalid("token_ids", f"token {bad} at position {position} is outside [0, {info.vocab_size})")
+    return ids
+
+
+def _first_row(request: scoring_pb2.ScoreRequest, count: int) -> int:
+    if not request.HasField("prompt_length"):
+        return 1
+    first_row = request.prompt_length
+    if not 1 <= first_row < count:
+        raise invalid("prompt_length", f"is {first_row}; it must be in [1, {count - 1}] for {count} tokens")
+    return first_row
+
+
+def _check_outputs(request: scoring_pb2.ScoreRequest, info: EngineInfo, teacher: str) -> None:
+    if request.topk < 0:
+        raise invalid("topk", f"is {request.topk}; it must be >= 0")
+    if request.topk > info.max_topk:
+        raise invalid("topk", f"is {request.topk}; teacher {teacher!r} serves at most {info.max_topk}")
+    if request.topk > info.vocab_size:
+        raise invalid("topk", f"is {request.topk}; the vocabulary has {info.vocab_size} tokens")
+    if not (request.logprobs or request.topk or request.hidden_states):
+        raise invalid("logprobs", "nothing asked for: set logprobs, topk > 0 or hidden_states")
+    if request.hidden_states and "hidden_states" not in info.outputs:
+        raise invalid("hidden_states", f"teacher {teacher!r} does not serve hidden states")
+
+
+def _media_inputs(request: scoring_pb2.ScoreRequest, info: EngineInfo, teacher: str) -> MultiModalInputs:
+    media = MultiModalInputs(
+        images=_items(request.images, "images"),
+        videos=_items(request.videos, "videos"),
+        audios=_items(request.audios, "audios"),
+        processor_kwargs=_processor_kwargs(request.mm_processor_kwargs),
+    )
+    for kind in media.kinds():
+        if kind not in info.media:
+            raise invalid(
+                kind,
+                f"teacher {teacher!r} ({info.engine} engine) is text-only and cannot use {kind}"
+                if not info.media
+                else f"teacher {teacher!r} accepts {', '.join(info.media)}, not {kind}",
+            )
+    return media
+
+
+def _items(items, field: str) -> tuple[MediaItem, ...]:
+    out = []
+    for index, item in enumerate(items):
+        if not item.data:
+            raise invalid(f"{field}[{index}].data", "is empty")
+        if not item.media_type:
+            raise invalid(f"{field}[{index}].media_type", "is required (e.g. image/png)")
+        out.append(MediaItem(bytes(item.data), item.media_type))
+    return tuple(out)
+
+
+def _processor_kwargs(text: str) -> dict:
+    if not text:
+        return {}
+    value = loads_bounded(text, field="mm_processor_kwargs")
+    if not isinstance(value, dict):
+        raise invalid("mm_processor_kwargs", "must be a JSON object")
+    return value
