@@ -1,5 +1,7 @@
-"""A stable digest of a model directory, so a client can tell that two answers (or an
-answer and a cached unembedding) came from the same teacher weights and tokenizer.
+"""Digests of a model directory: `model_fingerprint`, so a client can tell that two answers
+(or an answer and a cached unembedding) came from the same teacher weights and tokenizer; and
+`model_architecture`, a label of the weight layout alone (teachers with equal labels can share
+devices by swapping weights).
 
 Small files are hashed whole. Weight files of more than `full_hash_limit` bytes are hashed by
 their size, their safetensors header (names, dtypes, shapes, offsets) and evenly spaced
@@ -10,6 +12,7 @@ while any re-trained or re-quantised checkpoint changes the header or the sample
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 _META_FILES = (
@@ -57,3 +60,19 @@ def model_fingerprint(model_dir: str | Path, *, full_hash_limit: int = 1 << 30) 
                 for block in iter(lambda h=handle: h.read(8 << 20), b""):
                     digest.update(block)
     return digest.hexdigest()[:16]
+
+
+def model_architecture(model_path: str) -> str | None:
+    """A label for a checkpoint's weight layout (teachers with equal labels can swap weights)."""
+    config_file = Path(model_path) / "config.json"
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError):
+        return None
+    volatile = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache"}
+    stable = {k: v for k, v in config.items() if k not in volatile}
+    digest = hashlib.sha1(json.dumps(stable, sort_keys=True).encode()).hexdigest()[:8]
+    shape = "/".join(
+        str(config.get(k, "?")) for k in ("num_hidden_layers", "hidden_size", "vocab_size")
+    )
+    return f"{config.get('model_type', 'model')}[{shape}]#{digest}"
