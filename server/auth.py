@@ -12,8 +12,6 @@ import hmac
 import os
 from pathlib import Path
 
-OPEN_PATHS = ("/health/live", "/health/ready", "/metrics")
-
 
 def load_token(token: str | None = None, token_file: str | None = None) -> str | None:
     """Token from an argument, a file, or the PROCTOR_AUTH_TOKEN(_FILE) environment variables."""

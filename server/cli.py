@@ -14,6 +14,8 @@ from pathlib import Path
 
 import typer
 
+from proctor.server.settings import DEFAULTS
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Proctor: teacher scoring for on-policy distillation.")
 
 
@@ -45,8 +47,8 @@ def serve(
     engine: str = typer.Option("torch", help="torch | vllm | vllm_omni"),
     config: Path | None = typer.Option(None, help="YAML with verl's `distillation:` block and a `server:` block."),
     host: str | None = typer.Option(None, help="Address to bind [default: 127.0.0.1; 0.0.0.0 accepts other machines]."),
-    grpc_port: int | None = typer.Option(None, help="gRPC port [default: 50051; 0: any free port]."),
-    http_port: int | None = typer.Option(None, help="HTTP port [default: 8000; 0: any free port]."),
+    grpc_port: int | None = typer.Option(None, help=f"gRPC port [default: {DEFAULTS.grpc_port}; 0: any free port]."),
+    http_port: int | None = typer.Option(None, help=f"HTTP port [default: {DEFAULTS.http_port}; 0: any free port]."),
     device: str = typer.Option("cpu", help="cpu | cuda[:N] | npu[:N]"),
     dtype: str = typer.Option("auto", help="auto | float32 | bfloat16 | float16"),
     max_topk: int = typer.Option(64, help="Largest top-k a request may ask for."),
@@ -57,8 +59,9 @@ def serve(
     inference: list[str] = typer.Option([], "--inference", help="Engine setting KEY=VALUE (value parsed as JSON when it can be), e.g. gpu_memory_utilization=0.2; repeatable."),
     teacher_name: str = typer.Option("default", help="Name (and routing key) of the teacher."),
     auth_token_file: Path | None = typer.Option(None, help="File holding the bearer token required on scoring calls."),
-    max_queue_requests: int = typer.Option(1024, help="Requests admitted per teacher (running + waiting) before 429s."),
-    max_queue_tokens: int = typer.Option(8_000_000, help="Tokens admitted per teacher before 429s."),
+    max_queue_requests: int = typer.Option(DEFAULTS.limits.max_queue_requests,
+                                           help="Requests admitted per teacher (running + waiting) before 429s."),
+    max_queue_tokens: int = typer.Option(DEFAULTS.limits.max_queue_tokens, help="Tokens admitted per teacher before 429s."),
     verbose: bool = typer.Option(True, help="Log at INFO."),
     switch_interval_ms: float = typer.Option(
         0.5,
@@ -68,9 +71,11 @@ def serve(
 ) -> None:
     """Serve a teacher over gRPC and HTTP until SIGTERM (then drain and exit 0)."""
     from proctor.server.auth import load_token
+    from proctor.server.config import single_teacher_router
     from proctor.server.engines import EngineError, EngineSpec
-    from proctor.server.runtime import ProctorServer, ServerOptions, single_teacher_router
+    from proctor.server.runtime import ProctorServer
     from proctor.server.service import Limits
+    from proctor.server.settings import ServerOptions
     from proctor.server.tiny_model import ensure_default_model
 
     _logging(verbose)
@@ -93,8 +98,9 @@ def serve(
                           inference=settings, hidden_states=hidden_states, startup_timeout_s=startup_timeout_s)
         router = single_teacher_router(spec, name=teacher_name, replicas=replicas,
                                        health_check_interval_s=health_check_interval_s)
-        options = ServerOptions(host=host or "127.0.0.1", grpc_port=50051 if grpc_port is None else grpc_port,
-                                http_port=8000 if http_port is None else http_port,
+        options = ServerOptions(host=host or DEFAULTS.host,
+                                grpc_port=DEFAULTS.grpc_port if grpc_port is None else grpc_port,
+                                http_port=DEFAULTS.http_port if http_port is None else http_port,
                                 auth_token=load_token(token_file=str(auth_token_file) if auth_token_file else None),
                                 limits=Limits(max_queue_requests=max_queue_requests, max_queue_tokens=max_queue_tokens))
 
@@ -156,11 +162,12 @@ def make_tiny_model_cmd(
 
 
 @app.command()
-def quickstart(transport_demo: bool = typer.Option(True, hidden=True)) -> None:
+def quickstart() -> None:
     """Start the tiny teacher, score a few sequences through gRPC and HTTP, print them."""
-    from proctor.server.quickstart import run_quickstart
+    from proctor.server.quickstart import print_quickstart, tiny_teacher
 
-    run_quickstart()
+    with tiny_teacher() as (server, model_dir):
+        print_quickstart(server, model_dir)
 
 
 @app.command("check-config")
@@ -179,10 +186,23 @@ def demo(
     out: Path = typer.Option(Path("out"), help="Folder for the loss plot and log."),
     seed: int = typer.Option(0),
 ) -> None:
-    """On-policy distillation on the CPU: a noisy student learns from the tiny teacher."""
-    from proctor.trainer_adapter.demo import run_demo
+    """On-policy distillation on the CPU: a noisy student learns from the tiny teacher.
 
-    raise typer.Exit(run_demo(steps=steps, loss=loss, transport=transport, out=out, seed=seed))
+    The composition lives here: this command serves the tiny teacher and hands the trainer
+    loop (which knows only the client) the server's targets and the model for the tokenizer.
+    """
+    from proctor.server.quickstart import print_quickstart, tiny_teacher
+    from proctor.trainer_adapter.demo import option_error, run_demo
+
+    problem = option_error(steps=steps, loss=loss, transport=transport)
+    if problem:  # before a server is started for nothing
+        typer.echo(f"proctor demo: {problem}", err=True)
+        raise typer.Exit(2)
+    with tiny_teacher() as (server, model_dir):
+        print_quickstart(server, model_dir)
+        targets = {"grpc": f"grpc://{server.grpc_target}", "http": server.http_url}
+        code = run_demo(targets, model_dir, steps=steps, loss=loss, transport=transport, out=out, seed=seed)
+    raise typer.Exit(code)
 
 
 def main() -> None:

@@ -21,6 +21,7 @@ from proctor.server.auth import TokenAuth
 from proctor.server.errors import ScoringError, invalid
 from proctor.server.responses import Responses
 from proctor.server.service import ScoringService
+from proctor.server.settings import ServerOptions
 
 log = logging.getLogger(__name__)
 
@@ -163,21 +164,20 @@ class GrpcServer:
         self,
         service: ScoringService,
         responses: Responses,
+        options: ServerOptions,
         *,
-        host: str = "127.0.0.1",
-        port: int = 0,
         auth: TokenAuth | None = None,
-        max_message_bytes: int = 64 << 20,
         tls: tuple[bytes, bytes, bytes | None] | None = None,
     ) -> None:
+        max_message_bytes = options.max_message_bytes
         self.service = service
         self.health = health_aio.HealthServicer()
-        options = [
+        channel_options = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.so_reuseport", 0),
         ]
-        self.server = grpc.aio.server(interceptors=[AuthInterceptor(auth or TokenAuth(None))], options=options)
+        self.server = grpc.aio.server(interceptors=[AuthInterceptor(auth or TokenAuth(None))], options=channel_options)
         add_scoring_service(TeacherScoringServicer(service, responses), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         from grpc_reflection.v1alpha import reflection
@@ -186,7 +186,7 @@ class GrpcServer:
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             self.server,
         )
-        address = f"{host}:{port}"
+        address = f"{options.host}:{options.grpc_port}"
         if tls is not None:
             cert, key, client_ca = tls
             credentials = grpc.ssl_server_credentials(

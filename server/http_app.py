@@ -28,11 +28,12 @@ from proctor.proto.wire import (
     RETRY_AFTER_MS_HEADER,
     TIMEOUT_HEADER,
 )
-from proctor.server.auth import OPEN_PATHS, TokenAuth
+from proctor.server.auth import TokenAuth
 from proctor.server.bounded_json import loads_bounded
 from proctor.server.errors import Code, ScoringError, invalid
 from proctor.server.responses import Responses
 from proctor.server.service import Scored, ScoringService
+from proctor.server.settings import ServerOptions
 
 _JSON_FIELDS = {
     "request_id": str,
@@ -245,15 +246,15 @@ class BearerTokenMiddleware:
 def create_app(
     service: ScoringService,
     responses: Responses,
+    options: ServerOptions,
     *,
     auth: TokenAuth | None = None,
-    max_body_bytes: int = 64 << 20,
-    open_paths: tuple[str, ...] = OPEN_PATHS,
 ) -> FastAPI:
+    max_body_bytes = options.max_message_bytes
     auth = auth or TokenAuth(None)
     app = FastAPI(title="proctor", version="1", summary="Teacher scoring for on-policy distillation")
     if auth.enabled:
-        app.add_middleware(BearerTokenMiddleware, auth=auth, open_paths=open_paths)
+        app.add_middleware(BearerTokenMiddleware, auth=auth, open_paths=options.open_paths)
 
     async def parse(request: Request) -> tuple[scoring_pb2.ScoreRequest, str]:
         """The request's ScoreRequest (JSON or protobuf body) and its content type; a large

@@ -139,6 +139,15 @@ class Replica:
         return result
 
 
+def engine_replica(replica_id: str, build: Callable[[], TeacherEngine], **fields: Any) -> Replica:
+    """A replica whose engine `build()` makes (called at start and at every restart)."""
+
+    async def factory() -> TeacherEngine:
+        return build()
+
+    return Replica(replica_id, factory, **fields)
+
+
 @dataclass
 class RestartPolicy:
     initial_backoff_s: float = 0.5

@@ -14,54 +14,20 @@ import signal
 import socket
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 import uvicorn
 
 from proctor.server.auth import TokenAuth
-from proctor.server.engines import EngineSpec, create_replica_engine
 from proctor.server.grpc_app import GrpcServer
 from proctor.server.http_app import create_app
 from proctor.server.responses import Responses
-from proctor.server.routing import Replica, ReplicaSet, Router
-from proctor.server.service import Limits, ScoringService
+from proctor.server.routing import Router
+from proctor.server.service import ScoringService
+from proctor.server.settings import ServerOptions
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class ServerOptions:
-    host: str = "127.0.0.1"
-    grpc_port: int = 50051
-    http_port: int = 8000
-    auth_token: str | None = None
-    max_message_bytes: int = 64 << 20
-    stream_chunk_bytes: int = 2 << 20
-    drain_grace_s: float = 30.0
-    limits: Limits = field(default_factory=Limits)
-    tls_cert_file: str | None = None
-    tls_key_file: str | None = None
-    tls_client_ca_file: str | None = None
-    open_paths: tuple[str, ...] = ("/health/live", "/health/ready", "/metrics")
-    # A second, plain-HTTP port serving only /metrics (for scrapers kept off the API port).
-    metrics_port: int | None = None
-
-
-def single_teacher_router(
-    spec: EngineSpec, *, name: str = "default", replicas: int = 1, health_check_interval_s: float | None = 5.0
-) -> Router:
-    """A router over one teacher with `replicas` replicas (vLLM engines each in a host process)."""
-
-    def factory_for(replica_id: str):
-        async def build():
-            return create_replica_engine(spec, name=replica_id)
-
-        return build
-
-    ids = [f"{name}-{i}" for i in range(replicas)]
-    replica_set = [Replica(i, factory_for(i)) for i in ids]
-    return Router([ReplicaSet(name, replica_set, health_check_interval_s=health_check_interval_s)])
 
 
 HTTP_CLOSE_GRACE_S = 5.0
@@ -105,10 +71,8 @@ class ProctorServer:
             client_ca = Path(options.tls_client_ca_file).read_bytes() if options.tls_client_ca_file else None
             tls = (Path(options.tls_cert_file).read_bytes(), Path(options.tls_key_file).read_bytes(), client_ca)
         responses = Responses(self.service.metrics, chunk_bytes=options.stream_chunk_bytes)
-        self.grpc = GrpcServer(self.service, responses, host=options.host, port=options.grpc_port, auth=auth,
-                               max_message_bytes=options.max_message_bytes, tls=tls)
-        app = create_app(self.service, responses, auth=auth, max_body_bytes=options.max_message_bytes,
-                         open_paths=options.open_paths)
+        self.grpc = GrpcServer(self.service, responses, options, auth=auth, tls=tls)
+        app = create_app(self.service, responses, options, auth=auth)
         ssl = {}
         if options.tls_cert_file and options.tls_key_file:
             ssl = {"ssl_certfile": options.tls_cert_file, "ssl_keyfile": options.tls_key_file}

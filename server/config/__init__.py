@@ -18,7 +18,12 @@ Layout: `schema` (the blocks), `reading` (Hydra/verl normalisation, unknown keys
 `check` (the `check-config` printout).
 """
 
-from proctor.server.config.builder import build_router, load_server_config, server_options
+from proctor.server.config.builder import (
+    build_router,
+    load_server_config,
+    server_options,
+    single_teacher_router,
+)
 from proctor.server.config.check import check_config_command
 from proctor.server.config.plan import ServingPlan, load_config, load_plan, resolve_plan
 from proctor.server.config.reading import parse_config, read_yaml
@@ -37,4 +42,5 @@ __all__ = [
     "read_yaml",
     "resolve_plan",
     "server_options",
+    "single_teacher_router",
 ]

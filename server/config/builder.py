@@ -6,8 +6,8 @@ the Router releases its placement groups once every replica has stopped.
 from __future__ import annotations
 
 import typing
-from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 from proctor.server.config.plan import ServingPlan, load_plan
@@ -16,7 +16,7 @@ from proctor.server.pool import ReplicaGroupPlan
 
 if typing.TYPE_CHECKING:
     from proctor.server.routing import Router
-    from proctor.server.runtime import ServerOptions
+    from proctor.server.settings import ServerOptions
 
 
 
@@ -36,7 +36,7 @@ def _replica_spec(spec: EngineSpec, group: ReplicaGroupPlan, kind: str, *, in_pr
 def build_router(plan: ServingPlan) -> Router:
     """Teachers with their replicas (in-process engines, swap groups or Ray actors) behind a Router."""
     from proctor.server.engines import create_replica_engine
-    from proctor.server.routing import Replica, ReplicaSet, RestartPolicy, Router
+    from proctor.server.routing import Replica, ReplicaSet, RestartPolicy, Router, engine_replica
     from proctor.server.swap import SwapGroup, SwappedTeacherEngine
 
     server = plan.config.server
@@ -56,36 +56,22 @@ def build_router(plan: ServingPlan) -> Router:
                 group.group_id, specs, max_consecutive_batches=server.swap_max_consecutive_batches
             )
 
-    def in_process(spec: EngineSpec, replica_id: str) -> Callable:
-        async def build():
-            return create_replica_engine(spec, name=replica_id)
-
-        return build
-
-    def swapped(group: SwapGroup, teacher: str) -> Callable:
-        async def build():
-            return SwappedTeacherEngine(group, teacher)
-
-        return build
-
     teachers = []
     for name, resolved in plan.teachers.items():
         replicas = []
         for group in plan.placement.groups_of(name):
+            where = {"devices": tuple(map(str, group.local_devices)), "node": f"node{group.node}"}
             if group.shared:
-                factory = swapped(swap_groups[group.group_id], name)
                 replica_id = f"{name}@{group.group_id}"
+                build = partial(SwappedTeacherEngine, swap_groups[group.group_id], name)
+                replicas.append(engine_replica(replica_id, build, **where))
             elif ray_pool is not None:
-                factory = ray_pool.factory(
-                    _replica_spec(resolved.spec, group, plan.device_kind, in_process=False), group
-                )
-                replica_id = group.group_id
+                spec = _replica_spec(resolved.spec, group, plan.device_kind, in_process=False)
+                replicas.append(Replica(group.group_id, ray_pool.factory(spec, group), **where))
             else:
-                replica_id = group.group_id
-                factory = in_process(_replica_spec(resolved.spec, group, plan.device_kind, in_process=True), replica_id)
-            replicas.append(
-                Replica(replica_id, factory, devices=tuple(map(str, group.local_devices)), node=f"node{group.node}")
-            )
+                spec = _replica_spec(resolved.spec, group, plan.device_kind, in_process=True)
+                build = partial(create_replica_engine, spec, name=group.group_id)
+                replicas.append(engine_replica(group.group_id, build, **where))
         teachers.append(
             ReplicaSet(
                 name,
@@ -103,8 +89,8 @@ def build_router(plan: ServingPlan) -> Router:
 
 def server_options(plan: ServingPlan, *, host: str | None = None) -> ServerOptions:
     from proctor.server.auth import load_token
-    from proctor.server.runtime import ServerOptions
     from proctor.server.service import Limits
+    from proctor.server.settings import ServerOptions
 
     s = plan.config.server
     return ServerOptions(
@@ -132,3 +118,16 @@ def load_server_config(path: str | Path, *, host: str | None = None) -> tuple[Ro
     """What `proctor serve --config` runs: the Router (engines not yet started) and ServerOptions."""
     plan = load_plan(path)
     return build_router(plan), server_options(plan, host=host)
+
+
+def single_teacher_router(
+    spec: EngineSpec, *, name: str = "default", replicas: int = 1, health_check_interval_s: float | None = 5.0
+) -> Router:
+    """What `proctor serve --model` runs: one teacher of `replicas` replicas (vLLM engines each
+    in a host process of its own), routed by its name."""
+    from proctor.server.engines import create_replica_engine
+    from proctor.server.routing import ReplicaSet, Router, engine_replica
+
+    ids = [f"{name}-{i}" for i in range(replicas)]
+    replica_set = [engine_replica(i, partial(create_replica_engine, spec, name=i)) for i in ids]
+    return Router([ReplicaSet(name, replica_set, health_check_interval_s=health_check_interval_s)])

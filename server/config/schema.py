@@ -12,6 +12,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from proctor.proto.loss_modes import HIDDEN_STATE_MODES, LOSS_MODES, TOPK_MODES, VERL_LOSS_DEFAULTS
+from proctor.server.settings import DEFAULTS
 
 if typing.TYPE_CHECKING:
     pass
@@ -170,20 +171,21 @@ class RayConfig(ConfigBlock):
 class ServerBlock(ConfigBlock):
     """proctor's own `server:` block."""
 
-    host: str = "127.0.0.1"
-    grpc_port: int = Field(50051, ge=0, le=65535)
-    http_port: int = Field(8000, ge=0, le=65535)
+    # Defaults are the runtime's (proctor.server.settings.DEFAULTS): one table for both.
+    host: str = DEFAULTS.host
+    grpc_port: int = Field(DEFAULTS.grpc_port, ge=0, le=65535)
+    http_port: int = Field(DEFAULTS.http_port, ge=0, le=65535)
     auth_token_file: str | None = None
     tls: TlsConfig = Field(default_factory=TlsConfig)
-    max_queue_requests: int = Field(1024, ge=1)
-    max_queue_tokens: int = Field(8_000_000, ge=1)
-    request_timeout_s: float | None = Field(None, gt=0)
-    drain_grace_s: float = Field(30.0, ge=0)
-    max_message_bytes: int = Field(64 << 20, ge=1 << 20)
-    stream_chunk_bytes: int = Field(2 << 20, ge=1 << 10)
+    max_queue_requests: int = Field(DEFAULTS.limits.max_queue_requests, ge=1)
+    max_queue_tokens: int = Field(DEFAULTS.limits.max_queue_tokens, ge=1)
+    request_timeout_s: float | None = Field(DEFAULTS.limits.default_timeout_s, gt=0)
+    drain_grace_s: float = Field(DEFAULTS.drain_grace_s, ge=0)
+    max_message_bytes: int = Field(DEFAULTS.max_message_bytes, ge=1 << 20)
+    stream_chunk_bytes: int = Field(DEFAULTS.stream_chunk_bytes, ge=1 << 10)
     # Paths of the HTTP port that need no bearer token (probes and scrapers).
-    open_paths: list[str] = Field(default_factory=lambda: ["/health/live", "/health/ready", "/metrics"])
-    metrics_port: int | None = Field(None, ge=0, le=65535)
+    open_paths: list[str] = Field(default_factory=lambda: list(DEFAULTS.open_paths))
+    metrics_port: int | None = Field(DEFAULTS.metrics_port, ge=0, le=65535)
     device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
     routing_policy: Literal["least_outstanding", "round_robin"] = "least_outstanding"
     health_check_interval_s: float | None = Field(5.0, gt=0)
