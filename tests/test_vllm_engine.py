@@ -19,15 +19,10 @@ import torch
 
 from proctor.server.engines import EngineConfigError, EngineRequest, EngineSpec, create_engine
 from proctor.server.engines.base import EngineError
+from proctor.server.engines.checkpoint import load_unembedding
+from proctor.server.engines.prompt_logprobs import extract_rows, hidden_rows, topk_by_rank
 from proctor.server.engines.subprocess_engine import engine_environment
-from proctor.server.engines.vllm_common import (
-    engine_args_from_settings,
-    extract_rows,
-    hidden_rows,
-    load_unembedding,
-    resolve_max_logprobs,
-    topk_by_rank,
-)
+from proctor.server.engines.vllm_args import engine_args_from_settings, resolve_max_logprobs
 
 # One event loop for every async test: vLLM's output handler lives on the loop that first used
 # the engine, so tests must run on the session fixtures' loop.
@@ -212,10 +207,10 @@ async def test_requests_beyond_the_engine_are_that_requests_error_only(vllm_engi
 async def test_vllms_own_validation_error_is_a_request_error(vllm_engine):
     """Past proctor's own checks, vLLM's VLLMValidationError (a prompt of max_model_len tokens)
     is still that request's INVALID_ARGUMENT, never a replica failure."""
-    from proctor.server.engines.vllm_common import classify_error
+    from proctor.server.engines.vllm_errors import classify_error
 
     request = _request(0, torch.randint(3, 512, (2048,)))
-    with pytest.raises(Exception) as raised:  # noqa: PT011 (whatever vLLM raises is what is classified)
+    with pytest.raises(Exception) as raised:
         await vllm_engine._score_one(request)
     outcome = classify_error(request, raised.value)
     assert type(outcome).__name__ == "RequestRejected" and outcome.field == "token_ids", raised.value

@@ -18,7 +18,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from omni_fakes import CLIENT_ERROR, ENGINE_ERROR, IMAGE, SLOW, FakeAsyncOmni, fake_omni, legacy_max_num_seqs
 
 from proctor.server.engines import EngineConfigError, EngineRequest, EngineSpec, create_engine
 from proctor.server.engines import vllm_omni_engine as omni_mod
@@ -29,16 +28,11 @@ from proctor.server.engines.base import (
     RequestAborted,
     RequestRejected,
 )
-from proctor.server.engines.vllm_omni_engine import (
-    PIPELINES,
-    VllmOmniEngine,
-    build_prompt,
-    classify_stage_error,
-    deploy_config,
-    extract_hidden,
-    stage_config,
-    stage_output,
-)
+from proctor.server.engines.omni_config import PIPELINES, deploy_config, stage_config
+from proctor.server.engines.omni_stages import classify_stage_error
+from proctor.server.engines.vllm_omni_engine import VllmOmniEngine, build_prompt, extract_hidden, stage_output
+
+from omni_fakes import CLIENT_ERROR, ENGINE_ERROR, IMAGE, SLOW, FakeAsyncOmni, fake_omni, legacy_max_num_seqs
 
 OMNI_KWARGS = {"output_mode": "ar", "pipeline_name": "qwen3_omni_moe"}
 BOUND_S = 10.0  # no fault test may take longer than this to answer
@@ -95,7 +89,7 @@ async def _until(predicate, timeout=BOUND_S):
 
 
 def test_omni_requires_ar_output_mode_and_a_known_pipeline():
-    from proctor.server.engines.vllm_omni_engine import omni_pipeline
+    from proctor.server.engines.omni_config import omni_pipeline
 
     assert omni_pipeline(_omni_spec()).model_arch == "Qwen3OmniMoeForConditionalGeneration"
     with pytest.raises(EngineConfigError, match='output_mode="ar"'):

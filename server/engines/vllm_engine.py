@@ -60,18 +60,15 @@ from typing import Any
 import torch
 
 from proctor.server.engines.base import EngineError, EngineRequest, EngineResult
+from proctor.server.engines.checkpoint import check_cpu_head_dim, model_facts
 from proctor.server.engines.checks import check_vllm_settings
-from proctor.server.engines.vllm_common import (
-    PROBE_TIMEOUT_S,
-    VllmFamilyEngine,
-    check_cpu_head_dim,
+from proctor.server.engines.prompt_logprobs import extract_rows, hidden_rows
+from proctor.server.engines.vllm_args import (
     engine_args_from_settings,
     engine_request_id,
-    extract_rows,
-    hidden_rows,
-    model_facts,
     scoring_sampling_kwargs,
 )
+from proctor.server.engines.vllm_common import PROBE_TIMEOUT_S, VllmFamilyEngine
 
 log = logging.getLogger(__name__)
 

@@ -69,20 +69,15 @@ a GPU.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
-import json
 import logging
-import re
 import tempfile
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from proctor.server.engines import EngineConfigError
 from proctor.server.engines.base import (
     EngineError,
     EngineRequest,
@@ -92,169 +87,32 @@ from proctor.server.engines.base import (
     RequestRejected,
 )
 from proctor.server.engines.checks import check_vllm_settings
-from proctor.server.engines.vllm_common import (
-    SETTING_TO_ENGINE_ARG,
-    VllmFamilyEngine,
-    classify_error,
+from proctor.server.engines.omni_config import (
+    ENGINE,
+    config_schema,
+    deploy_config,
+    omni_pipeline,
+    stage_config,
+)
+from proctor.server.engines.omni_stages import LogTail, child_processes, classify_stage_error, process_exit
+from proctor.server.engines.prompt_logprobs import extract_rows, hidden_rows
+from proctor.server.engines.vllm_args import (
     engine_kwargs_of,
     engine_request_id,
-    extract_rows,
-    hidden_rows,
     scoring_sampling_kwargs,
 )
+from proctor.server.engines.vllm_common import VllmFamilyEngine
 
 log = logging.getLogger(__name__)
 
-ENGINE = "vllm_omni"
-# engine_kwargs.vllm_omni keys that configure proctor / the pipeline, not the stage's engine.
-OMNI_OWN_KEYS = frozenset(
-    {"output_mode", "pipeline_name", "pipeline_mode", "stage_configs_path", "deploy_config", "max_logprobs"}
-)
 # Keys of the accumulated multimodal_output that hold the Thinker's hidden states, in order.
 HIDDEN_KEYS = ("hidden", "latent", "latents", "model_outputs")
-# Sequences the Thinker stage schedules at once when the teacher does not say (vLLM's own
-# default for a GPU; vLLM-Omni's legacy default of 1 would score one sequence at a time).
-DEFAULT_MAX_NUM_SEQS = 256
-# Engine args that the 0.30.0 pipeline topology owns (`StagePipelineConfig`), not the deploy file.
-TOPOLOGY_ARGS = ("model_stage", "model_arch", "hf_config_name", "worker_cls", "scheduler_cls")
 # How often the watcher looks at the stage processes, and how long health and abort may take.
 STAGE_POLL_S = 0.5
 HEALTH_TIMEOUT_S = 10.0
 ABORT_TIMEOUT_S = 10.0
 # Slack past the start-up deadline for vLLM-Omni's own init_timeout to fire first.
 STARTUP_GRACE_S = 5.0
-LOG_TAIL_LINES = 40
-@dataclass(frozen=True)
-class OmniPipeline:
-    """What proctor must know of one vLLM-Omni model family to serve its Thinker."""
-
-    name: str
-    model_arch: str
-    hf_config_name: str  # the Thinker's sub-config in config.json
-    head_names: tuple[str, ...]
-    embed_names: tuple[str, ...]
-    thinker_only: str  # the thinker-only topology vLLM-Omni 0.30.0 registers for this family
-
-
-PIPELINES = {
-    p.name: p
-    for p in (
-        OmniPipeline(
-            "qwen3_omni_moe",
-            "Qwen3OmniMoeForConditionalGeneration",
-            "thinker_config",
-            ("thinker.lm_head.weight",),
-            ("thinker.model.embed_tokens.weight",),
-            "qwen3_omni_moe_thinker_only",
-        ),
-        OmniPipeline(
-            "qwen2_5_omni",
-            "Qwen2_5OmniForConditionalGeneration",
-            "thinker_config",
-            ("thinker.lm_head.weight",),
-            ("thinker.model.embed_tokens.weight",),
-            "qwen2_5_omni_thinker_only",
-        ),
-    )
-}
-
-
-def omni_pipeline(spec: EngineSpec) -> OmniPipeline:
-    """Validate `engine_kwargs.vllm_omni` (output_mode, pipeline_name) and return the adapter."""
-    kwargs = engine_kwargs_of(spec, ENGINE)
-    mode = kwargs.get("output_mode")
-    if mode != "ar":
-        raise EngineConfigError(
-            f"inference.engine_kwargs.vllm_omni.output_mode is {mode!r}: a teacher runs the Thinker's AR "
-            'pipeline only; set output_mode="ar"'
-        )
-    name = kwargs.get("pipeline_name")
-    if name not in PIPELINES:
-        raise EngineConfigError(
-            f"inference.engine_kwargs.vllm_omni.pipeline_name is {name!r}: proctor knows "
-            f"{', '.join(sorted(PIPELINES))}; set one of them (the model family of model_path)"
-        )
-    return PIPELINES[name]
-
-
-def stage_engine_args(spec: EngineSpec, pipeline: OmniPipeline, max_logprobs: int) -> dict[str, Any]:
-    """The Thinker stage's engine args: teacher settings, then engine_kwargs.vllm_omni pass-through."""
-    settings = spec.inference or {}
-    args: dict[str, Any] = {
-        "model_stage": "thinker",
-        "model_arch": pipeline.model_arch,
-        "hf_config_name": pipeline.hf_config_name,
-        "engine_output_type": "latent",  # makes the AR runner return hidden states
-        "trust_remote_code": True,
-        "dtype": spec.dtype or "auto",
-        "max_logprobs": int(max_logprobs),
-        "disable_log_stats": True,
-    }
-    kind = spec.device.split(":", 1)[0]
-    if kind == "npu":
-        args["worker_cls"] = "vllm_omni.worker.npu.npu_ar_worker.NPUARWorker"
-    else:
-        args["worker_cls"] = "vllm_omni.worker.gpu_ar_worker.GPUARWorker"
-    args["scheduler_cls"] = "vllm_omni.core.sched.omni_ar_scheduler.OmniARScheduler"
-    for key, arg in SETTING_TO_ENGINE_ARG.items():
-        if arg is not None and settings.get(key) is not None:
-            args[arg] = settings[key]
-    for key, value in engine_kwargs_of(spec, ENGINE).items():
-        if key not in OMNI_OWN_KEYS:
-            args[key] = value
-    # Always explicit: where vLLM-Omni derives it from runtime.max_batch_size it defaults to 1.
-    args["max_num_seqs"] = int(args.get("max_num_seqs") or DEFAULT_MAX_NUM_SEQS)
-    if int(args.get("tensor_parallel_size", 1)) * int(args.get("pipeline_parallel_size", 1)) > 1:
-        args.setdefault("distributed_executor_backend", "mp")
-    return args
-
-
-def _stage_devices(args: Mapping[str, Any]) -> str:
-    """The stage's device indices: the replica's devices are made visible by *_VISIBLE_DEVICES."""
-    world = int(args.get("tensor_parallel_size", 1)) * int(args.get("pipeline_parallel_size", 1))
-    world *= int(args.get("data_parallel_size", 1))
-    return ",".join(str(i) for i in range(world))
-
-
-SCORING_STAGE_DEFAULTS = {"max_tokens": 1, "detokenize": False}
-
-
-def stage_config(spec: EngineSpec, pipeline: OmniPipeline, max_logprobs: int) -> dict[str, Any]:
-    """A one-stage legacy `stage_args` config for the Thinker (what vLLM-Omni 0.18.0 reads).
-
-    No `runtime.max_batch_size`: it is the legacy batch-size knob that vLLM-Omni turns into
-    `max_num_seqs` (default 1); `engine_args.max_num_seqs` is set instead.
-    """
-    args = stage_engine_args(spec, pipeline, max_logprobs)
-    return {
-        "stage_args": [
-            {
-                "stage_id": 0,
-                "stage_type": "llm",
-                "runtime": {"devices": _stage_devices(args)},
-                "engine_args": args,
-                "final_output": True,
-                "final_output_type": "text",
-                "is_comprehension": True,
-                "default_sampling_params": dict(SCORING_STAGE_DEFAULTS),
-            }
-        ]
-    }
-
-
-def deploy_config(spec: EngineSpec, pipeline: OmniPipeline, max_logprobs: int) -> dict[str, Any]:
-    """A deploy config (vLLM-Omni 0.30.0's `deploy_config` schema) for the thinker-only pipeline.
-
-    The topology (architecture, sub-config, worker and scheduler) comes from the registered
-    `<family>_thinker_only` pipeline; stage 0 carries the engine args as flat keys, which
-    vLLM-Omni sorts into `StageDeployConfig` fields and `engine_extras`.
-    """
-    args = stage_engine_args(spec, pipeline, max_logprobs)
-    for key in TOPOLOGY_ARGS:
-        args.pop(key, None)
-    stage = {"stage_id": 0, "devices": _stage_devices(args), **args}
-    stage["default_sampling_params"] = dict(SCORING_STAGE_DEFAULTS)
-    return {"pipeline": pipeline.thinker_only, "async_chunk": False, "stages": [stage]}
 
 
 def build_prompt(request: EngineRequest) -> dict[str, Any]:
@@ -311,173 +169,6 @@ def extract_hidden(request_output: Any, total: int) -> torch.Tensor:
         "vLLM-Omni returned no hidden states: the Thinker stage needs engine_output_type='latent' "
         f"(looked for {', '.join(HIDDEN_KEYS)} in multimodal_output)"
     )
-
-
-# --------------------------------------------------------------------------------------------
-# Stage errors: the request's fault or the replica's
-# --------------------------------------------------------------------------------------------
-
-# Exception classes (matched by name along the MRO, so nothing of vLLM is imported here) that
-# say the engine, not the request, failed: vLLM's EngineDeadError (0.30.0's OmniEngineDeadError
-# derives from it) and EngineGenerateError.
-ENGINE_FAILURE_TYPES = frozenset({"EngineDeadError", "OmniEngineDeadError", "EngineGenerateError"})
-# Message shapes of input rejections, each with the request field it names. vLLM's InputProcessor
-# ("The decoder prompt (length N) is longer than the maximum model length of M"), its multimodal
-# processor ("Expected there to be N prompt updates corresponding to N image items, but instead
-# found M prompt updates", "... placeholder ...", failures to load an item), and processor kwargs
-# the HF processor does not take ("got an unexpected keyword argument").
-_REJECTION_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = tuple(
-    (re.compile(pattern, re.IGNORECASE), field)
-    for pattern, field in (
-        (r"maximum model length|max_model_len|longer than|too long|exceeds? the maximum", "token_ids"),
-        (r"mm_processor_kwargs|unexpected keyword argument|processor kwargs?", "mm_processor_kwargs"),
-        (r"prompt updates|placeholder", "media"),
-        (r"\bimages?\b", "images"),
-        (r"\bvideos?\b|\bframes?\b", "videos"),
-        (r"\baudios?\b|waveform|sampling.rate", "audios"),
-        (r"\btoken(?:_ids)?\b|\bvocab", "token_ids"),
-    )
-)
-
-
-def _error_text(exc: BaseException) -> str:
-    """The message of a stage error; 0.18.0 raises `RuntimeError(result)` with the orchestrator's
-    `{"request_id", "stage_id", "error"}` dict as its argument."""
-    arg = exc.args[0] if exc.args else None
-    if isinstance(arg, Mapping) and "error" in arg:
-        return str(arg["error"])
-    return str(exc)
-
-
-def _client_status(exc: BaseException) -> int | None:
-    status = getattr(exc, "status_code", None)
-    return int(status) if isinstance(status, int) else None
-
-
-def classify_stage_error(exc: BaseException, request: EngineRequest) -> RequestRejected | EngineError:
-    """The outcome of an exception from `AsyncOmni.generate`: that request's rejection, or an
-    `EngineError` when the engine (not the request) failed.
-
-    How the pinned versions report a request's failure, and how it is read here:
-    - 0.30.0 processes inputs in the caller (`AsyncOmniEngine.add_request` →
-      `InputProcessor.process_inputs`), so a prompt too long, media the processor refuses or
-      placeholders that do not match the media raise vLLM's `ValueError` (its API server's 400)
-      or, for a placeholder count mismatch, its `RuntimeError` out of `generate()`.
-    - 0.30.0 stage errors come back as an `ErrorMessage` on the request's queue
-      (`engine/messages.py`); `OmniBase._raise_nonfatal_error_message` /
-      `_check_engine_output_error` raise `OmniClientError` (a `ValueError` with a 4xx
-      `status_code`, `errors.py:raise_client_error_or`) for client errors, else
-      `RuntimeError` / `EngineGenerateError`; a fatal one (dead replica) raises
-      `OmniEngineDeadError`.
-    - 0.18.0 raises `RuntimeError(<the orchestrator's error dict>)` for any stage error
-      (`AsyncOmni._process_orchestrator_results`), so there only the message tells.
-    Rules: dead/generate-error types are the engine's; a 4xx status or a `ValueError` is the
-    request's; a `RuntimeError` is the request's only when its message has an input-rejection
-    shape (`_REJECTION_PATTERNS`); anything else goes to the vLLM family's rule
-    (`vllm_common.classify_error`), which makes it the engine's unless it is an input error.
-    """
-    if isinstance(exc, RequestRejected | EngineError):
-        return exc
-    names = {cls.__name__ for cls in type(exc).__mro__}
-    text = _error_text(exc)
-    if names & ENGINE_FAILURE_TYPES:
-        return EngineError(f"vLLM-Omni stage failed: {type(exc).__name__}: {text}")
-    status = _client_status(exc)
-    field = _rejected_field(text, request)
-    if (status is not None and 400 <= status < 500) or isinstance(exc, ValueError):
-        return RequestRejected(field or _default_field(request), text, request_id=request.request_id)
-    if isinstance(exc, RuntimeError) and field is not None:
-        return RequestRejected(field, text, request_id=request.request_id)
-    return classify_error(request, exc)
-
-
-def _rejected_field(text: str, request: EngineRequest) -> str | None:
-    for pattern, field in _REJECTION_PATTERNS:
-        if pattern.search(text):
-            return _default_field(request) if field == "media" else field
-    return None
-
-
-def _default_field(request: EngineRequest) -> str:
-    """The field a rejection names when its message does not: the media, else the tokens."""
-    kinds = request.media.kinds() if request.media else []
-    return kinds[0] if kinds else "token_ids"
-
-
-# --------------------------------------------------------------------------------------------
-# Stage processes and start-up logs
-# --------------------------------------------------------------------------------------------
-
-
-def child_processes() -> dict[int, Any]:
-    """This process's live direct children (psutil.Process by pid); {} without psutil."""
-    try:
-        import psutil
-    except ImportError:  # pragma: no cover - psutil comes with vLLM
-        return {}
-    children = {}
-    for child in psutil.Process().children(recursive=False):
-        with contextlib.suppress(psutil.Error):
-            if "resource_tracker" not in " ".join(child.cmdline()):  # multiprocessing's helper
-                children[child.pid] = child
-    return children
-
-
-def process_exit(process: Any) -> str | None:
-    """Why a stage process is gone ("exited", "zombie"), or None while it runs."""
-    import psutil
-
-    try:
-        if not process.is_running():
-            return "exited"
-        if process.status() == psutil.STATUS_ZOMBIE:  # killed, not yet reaped by its parent
-            return "exited (zombie)"
-    except psutil.NoSuchProcess:
-        return "exited"
-    except psutil.Error as exc:  # pragma: no cover - permissions
-        return f"unreadable ({exc})"
-    return None
-
-
-class LogTail(logging.Handler):
-    """The last lines vLLM-Omni (and vLLM) logged in this process, for a start-up error.
-
-    The orchestrator runs in a thread of this process in both pinned versions and logs each
-    stage's start-up progress and failures there.
-    """
-
-    LOGGERS = ("vllm_omni", "vllm")
-
-    def __init__(self, lines: int = LOG_TAIL_LINES) -> None:
-        super().__init__(logging.INFO)
-        self.lines: collections.deque[str] = collections.deque(maxlen=lines)
-
-    def emit(self, record: logging.LogRecord) -> None:
-        with contextlib.suppress(Exception):
-            self.lines.append(f"{record.name}: {record.getMessage()}")
-
-    @contextlib.contextmanager
-    def attached(self):
-        loggers = [logging.getLogger(name) for name in self.LOGGERS]
-        for logger in loggers:
-            logger.addHandler(self)
-        try:
-            yield self
-        finally:
-            for logger in loggers:
-                logger.removeHandler(self)
-
-    def text(self) -> str:
-        return "\n".join(self.lines) or "(vLLM-Omni logged nothing in this process)"
-
-
-def config_schema() -> str:
-    """"deploy" where the installed vLLM-Omni reads deploy configs (0.30.0), else "stage_args"."""
-    try:
-        from vllm_omni.config.stage_config import load_deploy_config  # noqa: F401
-    except ImportError:
-        return "stage_args"
-    return "deploy"
 
 
 # --------------------------------------------------------------------------------------------
@@ -740,13 +431,3 @@ class VllmOmniEngine(VllmFamilyEngine):
             rows = hidden_rows(states, request.num_tokens, request.first_row)
             result.hidden_states = rows.to(device="cpu", dtype=self._dtype).contiguous()
         return result
-
-
-def describe_stage_config(spec: EngineSpec) -> str:
-    """The config proctor would write for spec, as JSON (for `proctor check-config`): the deploy
-    config for the installed vLLM-Omni when it reads those, else the legacy stage config."""
-    pipeline = omni_pipeline(spec)
-    from proctor.server.engines.vllm_common import resolve_max_logprobs
-
-    build = deploy_config if config_schema() == "deploy" else stage_config
-    return json.dumps(build(spec, pipeline, resolve_max_logprobs(spec, ENGINE)), indent=2)

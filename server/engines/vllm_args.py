@@ -1,0 +1,146 @@
+"""A teacher's settings → vLLM engine arguments and sampling parameters (no vLLM import).
+
+verl's `inference.*` names become vLLM's EngineArgs names; `engine_kwargs.<engine>.*` passes
+through; `dtype: auto` is the checkpoint's; on CPU a modest memory share unless told otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+from proctor.server.engines import EngineConfigError
+from proctor.server.engines.base import (
+    EngineRequest,
+    EngineSpec,
+    serving_dtype,
+)
+from proctor.server.engines.checkpoint import model_facts
+
+log = logging.getLogger(__name__)
+
+
+
+
+# verl `inference.*` name → vLLM EngineArgs name. Everything else in `inference` is verl's
+# rollout config (temperature, load_format=dummy, free_cache_engine, ...) and means nothing to a
+# frozen teacher; `engine_kwargs.<engine>.*` is passed through to vLLM as given.
+SETTING_TO_ENGINE_ARG = {
+    "tensor_model_parallel_size": "tensor_parallel_size",
+    "data_parallel_size": "data_parallel_size",
+    "pipeline_model_parallel_size": "pipeline_parallel_size",
+    "expert_parallel_size": None,  # vLLM derives EP from TP x DP; kept out on purpose
+    "gpu_memory_utilization": "gpu_memory_utilization",
+    "max_model_len": "max_model_len",
+    "max_num_batched_tokens": "max_num_batched_tokens",
+    "enable_chunked_prefill": "enable_chunked_prefill",
+    "max_num_seqs": "max_num_seqs",
+    "enforce_eager": "enforce_eager",
+    "enable_prefix_caching": "enable_prefix_caching",
+    "kv_cache_dtype": "kv_cache_dtype",
+    "quantization": "quantization",
+    "trust_remote_code": "trust_remote_code",
+    "seed": "seed",
+}
+
+# proctor's own keys in `engine_kwargs.<engine>` (never passed to vLLM).
+PROCTOR_ENGINE_KEYS = frozenset({"hidden_states_gpu_memory_utilization"})
+
+
+def engine_kwargs_of(spec: EngineSpec, engine: str) -> dict[str, Any]:
+    """`inference.engine_kwargs.<engine>` as a plain dict (empty when absent)."""
+    kwargs = (spec.inference or {}).get("engine_kwargs") or {}
+    own = kwargs.get(engine) or {}
+    if not isinstance(own, Mapping):
+        raise EngineConfigError(f"inference.engine_kwargs.{engine} must be a mapping, got {type(own).__name__}")
+    return dict(own)
+
+
+def resolve_max_logprobs(spec: EngineSpec, engine: str) -> int:
+    """`engine_kwargs.<engine>.max_logprobs` (or `inference.max_logprobs`), seeded from the top-k."""
+    kwargs = engine_kwargs_of(spec, engine)
+    value = kwargs.get("max_logprobs", (spec.inference or {}).get("max_logprobs"))
+    return int(value) if value is not None else int(spec.max_topk)
+
+
+# On CPU, vLLM's `gpu_memory_utilization` is the share of the machine's memory it reserves for
+# its KV cache, refused when that much is not free; vLLM's 0.92 default never fits a node that
+# runs anything else (or a second replica), so a CPU teacher gets this unless told otherwise.
+CPU_MEMORY_FRACTION = 0.1
+
+
+def resolve_dtype(spec: EngineSpec) -> str:
+    """`dtype: auto` is the checkpoint's own dtype on every engine.
+
+    vLLM's own "auto" serves a float32 checkpoint in bfloat16/float16, which would make the
+    vLLM and torch engines disagree by ~5e-2 on the same model; the torch engine keeps the
+    checkpoint's dtype, so vLLM is told it explicitly.
+    """
+    if spec.dtype and spec.dtype != "auto":
+        return spec.dtype
+    try:
+        return serving_dtype(spec.dtype, model_facts(spec.model_path).dtype)
+    except (EngineConfigError, OSError, KeyError, ValueError):  # a nested config: vLLM reads it
+        return "auto"
+
+
+def engine_args_from_settings(
+    spec: EngineSpec,
+    *,
+    engine: str = "vllm",
+    max_logprobs: int,
+    hidden_states: bool = False,
+) -> dict[str, Any]:
+    """Keyword arguments for vLLM's (Async)EngineArgs from a teacher's settings.
+
+    `hidden_states=True` builds the pooling replica's arguments: chunked prefill off (a pooled
+    sequence must be one step), `max_num_batched_tokens` at least `max_model_len`, no prefix
+    cache, and its own memory share (`engine_kwargs.<engine>.hidden_states_gpu_memory_utilization`).
+    """
+    settings = spec.inference or {}
+    args: dict[str, Any] = {"model": str(spec.model_path), "dtype": resolve_dtype(spec)}
+    for key, arg in SETTING_TO_ENGINE_ARG.items():
+        if arg is not None and settings.get(key) is not None:
+            args[arg] = settings[key]
+    if args.get("gpu_memory_utilization") is None and spec.device.startswith("cpu"):
+        args["gpu_memory_utilization"] = CPU_MEMORY_FRACTION
+    args["max_logprobs"] = int(max_logprobs)
+    args["disable_log_stats"] = True
+    passthrough = engine_kwargs_of(spec, engine)
+    proctor_own = {k: passthrough.pop(k) for k in list(passthrough) if k in PROCTOR_ENGINE_KEYS}
+    passthrough.pop("max_logprobs", None)
+    args.update(passthrough)
+    if hidden_states:
+        args.pop("max_logprobs", None)
+        args["enable_chunked_prefill"] = False
+        args["enable_prefix_caching"] = False
+        max_len = args.get("max_model_len")
+        if max_len is not None:
+            args["max_num_batched_tokens"] = max(int(args.get("max_num_batched_tokens") or 0), int(max_len))
+        share = proctor_own.get("hidden_states_gpu_memory_utilization")
+        if share is not None:
+            args["gpu_memory_utilization"] = float(share)
+    return args
+
+
+
+
+def scoring_sampling_kwargs(topk: int) -> dict[str, Any]:
+    """SamplingParams for a pure prefill that returns prompt log-probs.
+
+    detokenize=False: decoding every candidate token string stalls the engine (verl PR 7648).
+    """
+    return {
+        "max_tokens": 1,
+        "prompt_logprobs": int(topk),
+        "detokenize": False,
+        "flat_logprobs": True,
+        "temperature": 1.0,
+    }
+
+
+def engine_request_id(request: EngineRequest) -> str:
+    """Unique per attempt: the service may retry one request id on the same engine."""
+    return f"{request.request_id}-{uuid.uuid4().hex[:12]}"
