@@ -31,6 +31,7 @@ from proctor.client.transports import (
     to_wire_media,
 )
 from proctor.proto import decode_tensor, dtype_name, scoring_pb2
+from proctor.proto.routing_keys import UnroutableKey, key_table, route_key
 
 log = logging.getLogger(__name__)
 
@@ -337,19 +338,18 @@ class TeacherClient:
         self._teachers = {info.name: TeacherInfo.from_wire(info) for info in response.teachers}
         return self._teachers
 
+    async def routing_table(self) -> dict[str, str]:
+        """key → teacher name, as the server routes (each teacher's name and keys)."""
+        teachers = await self.teachers(refresh=self._teachers is None)
+        return key_table({t.name: t.keys for t in teachers.values()})
+
     async def teacher_for_key(self, teacher_key: str | None) -> TeacherInfo:
         """The teacher a routing key selects, by the server's catalogue (same rule as the server)."""
         teachers = await self.teachers(refresh=self._teachers is None)
-        if not teacher_key:
-            if len(teachers) == 1:
-                return next(iter(teachers.values()))
-            raise make_error("INVALID_ARGUMENT", f"teacher_key: required with several teachers ({sorted(teachers)})",
-                             field="teacher_key")
-        for info in teachers.values():
-            if teacher_key == info.name or teacher_key in info.keys:
-                return info
-        raise make_error("NOT_FOUND", f"teacher_key: no teacher for key {teacher_key!r} (known: {sorted(teachers)})",
-                         field="teacher_key")
+        try:
+            return teachers[route_key(teacher_key, await self.routing_table())]
+        except UnroutableKey as exc:
+            raise make_error(exc.status, exc.message, field="teacher_key") from None
 
     async def unembedding(self, teacher_key: str | None = None, *, timeout: float | None = None) -> torch.Tensor:
         """The teacher's lm_head weight [V, H], fetched once and cached per fingerprint.

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from proctor.proto import scoring_pb2
+from proctor.proto.routing_keys import UnroutableKey, key_table, route_key
 from proctor.server.batcher import Batcher
 from proctor.server.engines.base import (
     EngineInfo,
@@ -360,13 +361,7 @@ class Router:
         # Releases what the replicas were placed on (the Ray pool's placement groups), after
         # every replica has stopped.
         self.on_close = on_close
-        self._by_key: dict[str, ReplicaSet] = {}
-        for teacher in teachers:
-            for key in teacher.keys:
-                if key in self._by_key and self._by_key[key] is not teacher:
-                    raise ValueError(f"routing key {key!r} is claimed by two teachers")
-                self._by_key[key] = teacher
-            self._by_key.setdefault(teacher.name, teacher)
+        self._keys = key_table({t.name: t.keys for t in teachers})
 
     async def stop(self) -> None:
         """Stop every teacher's replicas, then release their placement."""
@@ -383,19 +378,8 @@ class Router:
             teacher.use_metrics(sink)
 
     def route(self, key: str) -> ReplicaSet:
-        if not key:
-            if len(self.teachers) == 1:
-                return next(iter(self.teachers.values()))
-            raise ScoringError(
-                Code.INVALID_ARGUMENT,
-                f"teacher_key: required when the server has several teachers ({', '.join(sorted(self._by_key))})",
-                field="teacher_key",
-            )
-        teacher = self._by_key.get(key)
-        if teacher is None:
-            raise ScoringError(
-                Code.NOT_FOUND,
-                f"teacher_key: no teacher for key {key!r} (known: {', '.join(sorted(self._by_key))})",
-                field="teacher_key",
-            )
-        return teacher
+        """The teacher a request's key selects (the rule of `proctor.proto.routing_keys`)."""
+        try:
+            return self.teachers[route_key(key, self._keys)]
+        except UnroutableKey as exc:
+            raise ScoringError(Code[exc.status], exc.message, field="teacher_key") from None

@@ -104,12 +104,7 @@ class RolloutScorer:
     async def resolve_routes(self) -> dict[str, str]:
         """The key → teacher map in use (fetched from the server once when not given)."""
         if self.teacher_map is None:
-            teachers = await self.client.teachers()
-            routes: dict[str, str] = {}
-            for info in teachers.values():
-                for key in (info.name, *info.keys):
-                    routes.setdefault(key, info.name)
-            self.teacher_map = routes
+            self.teacher_map = await self.client.routing_table()
         return self.teacher_map
 
     def teacher_key_for(self, sample: RolloutSample, index: int | None = None) -> str | None:

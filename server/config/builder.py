@@ -45,44 +45,49 @@ def build_router(plan: ServingPlan) -> Router:
         from proctor.server.ray_replica import RayPool
 
         ray_pool = RayPool(plan.placement, server.ray)
-    swap_groups: dict[str, SwapGroup] = {}
-    for group in plan.placement.groups:
-        if group.shared:
-            specs = {
-                n: _replica_spec(plan.teachers[n].spec, group, plan.device_kind, in_process=True)
-                for n in group.teachers
-            }
-            swap_groups[group.group_id] = SwapGroup(
-                group.group_id, specs, max_consecutive_batches=server.swap_max_consecutive_batches
-            )
-
-    teachers = []
-    for name, resolved in plan.teachers.items():
-        replicas = []
-        for group in plan.placement.groups_of(name):
-            where = {"devices": tuple(map(str, group.local_devices)), "node": f"node{group.node}"}
+    try:
+        swap_groups: dict[str, SwapGroup] = {}
+        for group in plan.placement.groups:
             if group.shared:
-                replica_id = f"{name}@{group.group_id}"
-                build = partial(SwappedTeacherEngine, swap_groups[group.group_id], name)
-                replicas.append(engine_replica(replica_id, build, **where))
-            elif ray_pool is not None:
-                spec = _replica_spec(resolved.spec, group, plan.device_kind, in_process=False)
-                replicas.append(Replica(group.group_id, ray_pool.factory(spec, group), **where))
-            else:
-                spec = _replica_spec(resolved.spec, group, plan.device_kind, in_process=True)
-                build = partial(create_replica_engine, spec, name=group.group_id)
-                replicas.append(engine_replica(group.group_id, build, **where))
-        teachers.append(
-            ReplicaSet(
-                name,
-                replicas,
-                keys=(resolved.key,),
-                restart=RestartPolicy(server.restart_initial_backoff_s, server.restart_max_backoff_s),
-                policy=server.routing_policy,
-                health_check_interval_s=server.health_check_interval_s,
-                swap_groups=tuple({id(g): g for g in swap_groups.values() if name in g.specs}.values()),
+                specs = {
+                    n: _replica_spec(plan.teachers[n].spec, group, plan.device_kind, in_process=True)
+                    for n in group.teachers
+                }
+                swap_groups[group.group_id] = SwapGroup(
+                    group.group_id, specs, max_consecutive_batches=server.swap_max_consecutive_batches
+                )
+
+        teachers = []
+        for name, resolved in plan.teachers.items():
+            replicas = []
+            for group in plan.placement.groups_of(name):
+                where = {"devices": tuple(map(str, group.local_devices)), "node": f"node{group.node}"}
+                if group.shared:
+                    replica_id = f"{name}@{group.group_id}"
+                    build = partial(SwappedTeacherEngine, swap_groups[group.group_id], name)
+                    replicas.append(engine_replica(replica_id, build, **where))
+                elif ray_pool is not None:
+                    spec = _replica_spec(resolved.spec, group, plan.device_kind, in_process=False)
+                    replicas.append(Replica(group.group_id, ray_pool.factory(spec, group), **where))
+                else:
+                    spec = _replica_spec(resolved.spec, group, plan.device_kind, in_process=True)
+                    build = partial(create_replica_engine, spec, name=group.group_id)
+                    replicas.append(engine_replica(group.group_id, build, **where))
+            teachers.append(
+                ReplicaSet(
+                    name,
+                    replicas,
+                    keys=(resolved.key,),
+                    restart=RestartPolicy(server.restart_initial_backoff_s, server.restart_max_backoff_s),
+                    policy=server.routing_policy,
+                    health_check_interval_s=server.health_check_interval_s,
+                    swap_groups=tuple({id(g): g for g in swap_groups.values() if name in g.specs}.values()),
+                )
             )
-        )
+    except BaseException:  # nothing will own the pool's placement groups: release them now
+        if ray_pool is not None:
+            ray_pool.remove()
+        raise
     # The Ray pool's placement groups are released once every replica (actor) has stopped.
     return Router(teachers, on_close=(ray_pool.remove,) if ray_pool is not None else ())
 
