@@ -1,8 +1,10 @@
-"""The distillation loss modes by family, known to both sides.
+"""The `distillation_loss` schema, known to both sides: its modes by family, and every key the
+block may hold with its default.
 
-The client's loss library implements them; the server reads a verl `distillation_loss`
-block and must know what a mode needs served (top-k, or hidden states and the
-unembedding). Neither side may import the other, so the names live here.
+The client's loss library implements the modes and reads every setting; the server reads the
+block only to know what a mode needs served (top-k, or hidden states and the unembedding) and
+must accept the rest unchanged. Neither side may import the other, so the schema lives here,
+torch-free, and both read it.
 """
 
 from __future__ import annotations
@@ -25,3 +27,36 @@ VERL_LOSS_DEFAULTS = {
     "use_policy_gradient": False,
     "policy_loss_mode": "vanilla",
 }
+
+# Every setting either side reads, with its default: verl's (above), verl-omni's, proctor's.
+LOSS_SETTINGS = {
+    **VERL_LOSS_DEFAULTS,
+    "kd_temperature": 1.0,  # verl-omni
+    "jsd_beta": 0.5,  # proctor: the generalised JSD's mixture weight
+    "loss_agg_mode": "token-mean",  # proctor: verl's loss_agg_mode names
+    "chunk_tokens": None,  # proctor: full-vocabulary chunking
+    "chunk_vocab": None,
+    "pg_ratio": None,  # LoongSage-style mixing
+    "gkd_ratio": None,
+}
+# verl keys of the block that configure its PPO machinery or runtime, not the per-token loss:
+# accepted by both sides and read by neither.
+VERL_IGNORED_LOSS_KEYS = frozenset(
+    {"_target_", "clip_ratio", "clip_ratio_low", "clip_ratio_high", "global_batch_info", "loss_settings",
+     "use_chunked_topk", "chunked_topk_chunk_size", "use_policy_loss"}
+)
+
+
+def is_topk(mode: str) -> bool:
+    """The mode needs the teacher's top-k ids and log-probs."""
+    return mode in TOPK_MODES
+
+
+def is_hidden_state(mode: str) -> bool:
+    """The mode needs the teacher's hidden states and unembedding (full vocabulary)."""
+    return mode in HIDDEN_STATE_MODES
+
+
+def is_sampled(mode: str) -> bool:
+    """The mode needs only the teacher's log-probs of the sampled tokens."""
+    return mode in SAMPLED_MODES

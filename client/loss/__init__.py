@@ -15,6 +15,8 @@ gradients in the forward pass, at the matmul floor; ``MatmulWork`` counts that
 work.
 """
 
+from proctor.proto.loss_modes import HIDDEN_STATE_MODES, LOSS_MODES, TOPK_MODES
+
 from .aggregate import AGG_MODES, aggregate, aggregate_weights
 from .chunking import Chunking
 from .distillation import DistillationOutput, distillation_loss
@@ -22,7 +24,7 @@ from .full_vocab import full_vocab_kl, full_vocab_kl_reduced
 from .metrics import loss_metrics
 from .reduced import Reduced
 from .sampled import SAMPLED_MODES, sampled_kl
-from .settings import HIDDEN_STATE_MODES, LOSS_MODES, TOPK_MODES, LossSettings
+from .settings import LossSettings
 from .topk import topk_kl, topk_kl_reduced, topk_masses
 from .work import MatmulWork, matmul_flops
 

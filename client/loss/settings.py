@@ -13,28 +13,15 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from proctor.proto.loss_modes import (
-    HIDDEN_STATE_MODES,
     LOSS_MODES,
-    SAMPLED_MODES,
-    TOPK_MODES,
-    VERL_LOSS_DEFAULTS,
+    LOSS_SETTINGS,
+    VERL_IGNORED_LOSS_KEYS,
+    is_hidden_state,
+    is_sampled,
+    is_topk,
 )
 
 from .aggregate import AGG_MODES
-
-# verl keys that configure its PPO machinery, not the per-token loss: accepted and unused.
-_VERL_KEYS_IGNORED = frozenset(
-    {
-        "clip_ratio",
-        "clip_ratio_low",
-        "clip_ratio_high",
-        "global_batch_info",
-        "loss_settings",
-        "use_chunked_topk",
-        "chunked_topk_chunk_size",
-        "_target_",
-    }
-)
 
 
 @dataclass(frozen=True)
@@ -46,36 +33,37 @@ class LossSettings:
     so that a partial config means the same thing on both sides of the wire.
     """
 
-    loss_mode: str = VERL_LOSS_DEFAULTS["loss_mode"]
-    topk: int | None = VERL_LOSS_DEFAULTS["topk"]
-    use_task_rewards: bool = VERL_LOSS_DEFAULTS["use_task_rewards"]
-    distillation_loss_coef: float = VERL_LOSS_DEFAULTS["distillation_loss_coef"]
-    loss_max_clamp: float | None = VERL_LOSS_DEFAULTS["loss_max_clamp"]
-    log_prob_min_clamp: float | None = VERL_LOSS_DEFAULTS["log_prob_min_clamp"]
-    use_policy_gradient: bool = VERL_LOSS_DEFAULTS["use_policy_gradient"]
-    policy_loss_mode: str = VERL_LOSS_DEFAULTS["policy_loss_mode"]
+    loss_mode: str = LOSS_SETTINGS["loss_mode"]
+    topk: int | None = LOSS_SETTINGS["topk"]
+    use_task_rewards: bool = LOSS_SETTINGS["use_task_rewards"]
+    distillation_loss_coef: float = LOSS_SETTINGS["distillation_loss_coef"]
+    loss_max_clamp: float | None = LOSS_SETTINGS["loss_max_clamp"]
+    log_prob_min_clamp: float | None = LOSS_SETTINGS["log_prob_min_clamp"]
+    use_policy_gradient: bool = LOSS_SETTINGS["use_policy_gradient"]
+    policy_loss_mode: str = LOSS_SETTINGS["policy_loss_mode"]
     # verl-omni
-    kd_temperature: float = 1.0
+    kd_temperature: float = LOSS_SETTINGS["kd_temperature"]
     # proctor
-    jsd_beta: float = 0.5
-    loss_agg_mode: str = "token-mean"
-    chunk_tokens: int | None = None
-    chunk_vocab: int | None = None
+    jsd_beta: float = LOSS_SETTINGS["jsd_beta"]
+    loss_agg_mode: str = LOSS_SETTINGS["loss_agg_mode"]
+    chunk_tokens: int | None = LOSS_SETTINGS["chunk_tokens"]
+    chunk_vocab: int | None = LOSS_SETTINGS["chunk_vocab"]
     # LoongSage-style mixing
-    pg_ratio: float | None = None
-    gkd_ratio: float | None = None
+    pg_ratio: float | None = LOSS_SETTINGS["pg_ratio"]
+    gkd_ratio: float | None = LOSS_SETTINGS["gkd_ratio"]
 
+    # The families are the schema's (proctor.proto.loss_modes), as the server's config reads them.
     @property
     def is_topk(self) -> bool:
-        return self.loss_mode in TOPK_MODES
+        return is_topk(self.loss_mode)
 
     @property
     def is_hidden_state(self) -> bool:
-        return self.loss_mode in HIDDEN_STATE_MODES
+        return is_hidden_state(self.loss_mode)
 
     @property
     def is_sampled(self) -> bool:
-        return self.loss_mode in SAMPLED_MODES
+        return is_sampled(self.loss_mode)
 
     @property
     def coefficient(self) -> float:
@@ -139,7 +127,7 @@ class LossSettings:
                 key = str(raw_key)
                 if key in names:
                     values[key] = config[raw_key]
-                elif key not in _VERL_KEYS_IGNORED:
+                elif key not in VERL_IGNORED_LOSS_KEYS:
                     raise ValueError(
                         f"unknown distillation_loss setting {key!r}; known settings: {sorted(names)}"
                     )

@@ -103,18 +103,18 @@ def _engine_problems(
     inf = teacher.inference
     lengths = (inf.prompt_length, inf.response_length)
     calls: list[Callable[[], object]] = [lambda: checks.check_engine_name(engine)]
-    if loss.needs_hidden_states and inf.hidden_states is False:
+    if loss.is_hidden_state and inf.hidden_states is False:
         calls.append(lambda: checks.refuse(
             f"inference.hidden_states is false, but distillation_loss.loss_mode {loss.loss_mode} needs the "
             "teacher's hidden states: remove the setting or choose a loss that does not"))
     if inf.max_model_len is not None:
         calls.append(lambda: checks.check_max_model_len(inf.max_model_len, *lengths))
     if engine in ("vllm", "vllm_omni"):
-        topk = loss.topk if loss.needs_topk and loss.topk else 0
+        topk = loss.topk if loss.is_topk and loss.topk else 0
         calls.append(lambda: checks.check_max_logprobs(max_topk, topk, engine=engine))
         # vLLM-Omni serves hidden states from its one AR engine; vLLM from a pooling engine that
         # always runs without chunked prefill and with whole sequences, whatever is set.
-        if loss.needs_hidden_states and engine == "vllm_omni":
+        if loss.is_hidden_state and engine == "vllm_omni":
             calls.append(lambda: checks.check_hidden_states_prefill(inf.enable_chunked_prefill))
             calls.append(lambda: checks.check_batched_tokens(inf.max_num_batched_tokens, *lengths))
     problems = []
@@ -136,7 +136,7 @@ def serves_hidden_states(engine: str, inference: InferenceConfig, loss: Distilla
     loss needs them."""
     if inference.hidden_states is not None:
         return inference.hidden_states
-    return engine != "vllm_omni" or loss.needs_hidden_states
+    return engine != "vllm_omni" or loss.is_hidden_state
 
 
 def _engine_name(inference: InferenceConfig, device_kind: str) -> str:

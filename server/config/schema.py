@@ -11,7 +11,13 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from proctor.proto.loss_modes import HIDDEN_STATE_MODES, LOSS_MODES, TOPK_MODES, VERL_LOSS_DEFAULTS
+from proctor.proto.loss_modes import (
+    LOSS_MODES,
+    LOSS_SETTINGS,
+    VERL_IGNORED_LOSS_KEYS,
+    is_hidden_state,
+    is_topk,
+)
 from proctor.server.settings import DEFAULTS
 
 if typing.TYPE_CHECKING:
@@ -104,38 +110,22 @@ class TeacherModelConfig(ConfigBlock):
 
 
 class DistillationLossConfig(ConfigBlock):
-    """`distillation_loss`: the trainer's loss; the server reads topk and what the loss needs."""
+    """`distillation_loss`: the trainer's loss. The server reads the mode and its top-k (what the
+    loss needs served); every other key of the schema (`proctor.proto.loss_modes`) is accepted
+    as it is, for the trainer's side to read."""
 
-    accepted: ClassVar[frozenset[str]] = frozenset(
-        {
-            "_target_", "global_batch_info", "loss_settings",  # verl runtime fields
-            "kd_temperature", "jsd_beta", "use_policy_loss",  # verl-omni / older verl
-            "loss_agg_mode", "chunk_tokens", "chunk_vocab", "pg_ratio", "gkd_ratio",  # proctor client
-        }
-    )  # fmt: skip
+    accepted: ClassVar[frozenset[str]] = frozenset(LOSS_SETTINGS) | VERL_IGNORED_LOSS_KEYS
 
-    loss_mode: Literal[LOSS_MODES] = VERL_LOSS_DEFAULTS["loss_mode"]  # type: ignore[valid-type]
-    topk: int | None = Field(VERL_LOSS_DEFAULTS["topk"], ge=1)
-    use_task_rewards: bool = VERL_LOSS_DEFAULTS["use_task_rewards"]
-    distillation_loss_coef: float = VERL_LOSS_DEFAULTS["distillation_loss_coef"]
-    loss_max_clamp: float | None = VERL_LOSS_DEFAULTS["loss_max_clamp"]
-    log_prob_min_clamp: float | None = VERL_LOSS_DEFAULTS["log_prob_min_clamp"]
-    use_policy_gradient: bool = VERL_LOSS_DEFAULTS["use_policy_gradient"]
-    policy_loss_mode: str = VERL_LOSS_DEFAULTS["policy_loss_mode"]
-    clip_ratio: float = 0.2
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    use_chunked_topk: bool = False
-    chunked_topk_chunk_size: int = 4096
-
-    # The loss families live in proctor.proto, shared with the client's loss library.
-    @property
-    def needs_topk(self) -> bool:
-        return self.loss_mode in TOPK_MODES
+    loss_mode: Literal[LOSS_MODES] = LOSS_SETTINGS["loss_mode"]  # type: ignore[valid-type]
+    topk: int | None = Field(LOSS_SETTINGS["topk"], ge=1)
 
     @property
-    def needs_hidden_states(self) -> bool:
-        return self.loss_mode in HIDDEN_STATE_MODES
+    def is_topk(self) -> bool:
+        return is_topk(self.loss_mode)
+
+    @property
+    def is_hidden_state(self) -> bool:
+        return is_hidden_state(self.loss_mode)
 
 
 class DistillationConfig(ConfigBlock):
