@@ -19,15 +19,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 import time
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from proctor.client import TeacherClient
-from proctor.server.chaos import InjectedEngine
 from proctor.server.engines import EngineSpec, create_engine
-from proctor.server.routing import Replica, Router, Teacher
-from proctor.server.runtime import ServerOptions, ServerThread
+from proctor.server.routing import Replica, ReplicaSet, Router
+from proctor.server.runtime import ServerThread
+from proctor.server.settings import ServerOptions
 from proctor.server.tiny_model import ensure_default_model
 from proctor.trainer_adapter.rollout import RolloutSample, RolloutScorer
+
+from support.engines import InjectedEngine
 
 
 def server_for(spec: EngineSpec, delay_s: float | None) -> ServerThread:
@@ -38,7 +43,7 @@ def server_for(spec: EngineSpec, delay_s: float | None) -> ServerThread:
         # that scoring time grows with the number of sequences.
         return InjectedEngine(create_engine(spec), delay_per_batch_s=delay_s, token_budget=256)
 
-    router = Router([Teacher("tiny", [Replica("tiny-0", build)])])
+    router = Router([ReplicaSet("tiny", [Replica("tiny-0", build)])])
     return ServerThread(router, ServerOptions(grpc_port=0, http_port=0))  # started by `with`
 
 

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from proctor.proto import scoring_pb2, scoring_pb2_grpc
 from proctor.server.tiny_model import make_tiny_model
 
-from conftest import SubprocessServer, engine_cores
+from support.servers import SubprocessServer, engine_cores
 
 
 def kill_engine_core(server: SubprocessServer, replica: str) -> str:

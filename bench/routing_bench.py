@@ -1,9 +1,9 @@
 """Least-outstanding vs round-robin routing over heterogeneous replicas, side by side.
 
 Two replicas of the tiny teacher: one as is, one slowed by a per-token delay (a slower or
-busier device, simulated with `proctor.server.chaos.InjectedEngine` around a real torch
+busier device, simulated with the test support's `InjectedEngine` around a real torch
 engine). The same closed-loop load (a fixed number of requests in flight) runs through a
-Teacher with each policy; the table shows requests/s and the ratio least-outstanding /
+ReplicaSet with each policy; the table shows requests/s and the ratio least-outstanding /
 round-robin (goal ≥ 1.3), and how many requests the slow replica took.
 
     python bench/routing_bench.py [--requests 240] [--concurrency 16]
@@ -13,15 +13,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
-from proctor.server.chaos import InjectedEngine
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from proctor.server.engines import EngineRequest, EngineSpec, create_engine
-from proctor.server.routing import Replica, Teacher
+from proctor.server.routing import Replica, ReplicaSet
 from proctor.server.tiny_model import make_tiny_model
+
+from support.engines import InjectedEngine
 
 
 def _requests(count: int, seed: int = 0) -> list[EngineRequest]:
@@ -46,7 +50,7 @@ async def _run(model_dir: str, policy: str, slow_per_token_s: float, requests: l
 
         return build
 
-    teacher = Teacher("bench", [Replica(f"r{i}", factory(e)) for i, e in enumerate(engines)], policy=policy,
+    teacher = ReplicaSet("bench", [Replica(f"r{i}", factory(e)) for i, e in enumerate(engines)], policy=policy,
                       health_check_interval_s=None)
     await teacher.start()
     try:

@@ -32,7 +32,7 @@ from proctor.proto import scoring_pb2, scoring_pb2_grpc
 from proctor.server.engines import EngineRequest, EngineSpec, create_engine
 from proctor.server.tiny_model import make_tiny_model
 
-from conftest import SubprocessServer
+from support.servers import SubprocessServer
 
 
 def sequences(count: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:

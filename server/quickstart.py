@@ -1,11 +1,22 @@
-"""`proctor quickstart`: the tiny teacher served on loopback, a few sequences scored through
-gRPC and through HTTP, printed side by side, so a newcomer sees the whole path work."""
+"""The tiny teacher served on loopback, and the quickstart printout: a few sequences scored
+through gRPC and through HTTP, printed side by side, so a newcomer sees the whole path work.
+
+`proctor quickstart` prints it and exits; `proctor demo` prints it, then trains against the
+same server. It scores with `score_cli` (the wire contract, not the trainer-side client), so
+the server package keeps no dependency on the client.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from proctor.server.config import single_teacher_router
 from proctor.server.engines import EngineSpec
-from proctor.server.runtime import ServerOptions, ServerThread, single_teacher_router
+from proctor.server.runtime import ServerThread
 from proctor.server.score_cli import format_table, score_once, tokenize
+from proctor.server.settings import ServerOptions
 from proctor.server.tiny_model import ensure_default_model
 
 SAMPLES = [
@@ -14,17 +25,24 @@ SAMPLES = [
 ]
 
 
-def run_quickstart() -> None:
+@contextmanager
+def tiny_teacher(*, max_topk: int = 64) -> Iterator[tuple[ServerThread, Path]]:
+    """The built-in tiny teacher served on free loopback ports while the block runs: (server, model dir)."""
     model = ensure_default_model()
-    spec = EngineSpec(name="torch", model_path=str(model))
+    spec = EngineSpec(name="torch", model_path=str(model), max_topk=max_topk)
     with ServerThread(single_teacher_router(spec, name="tiny"), ServerOptions(grpc_port=0, http_port=0)) as server:
-        print(f"tiny teacher at {model}\nserving gRPC {server.grpc_target}, HTTP {server.http_url}\n")
-        for prompt, response in SAMPLES:
-            tok, prompt_ids = tokenize(prompt, model)
-            ids = prompt_ids + tok(response)["input_ids"]
-            by_grpc = score_once(f"grpc://{server.grpc_target}", ids, prompt_length=len(prompt_ids), topk=3)
-            by_http = score_once(server.http_url, ids, prompt_length=len(prompt_ids), topk=3)
-            print(f"prompt {prompt!r}  response {response!r}  (through gRPC)")
-            print(format_table(ids, by_grpc, tok))
-            worst = max(abs(a - b) for a, b in zip(by_grpc.logprobs, by_http.logprobs, strict=True))
-            print(f"HTTP gives the same log-probs: max |gRPC - HTTP| = {worst:.2e}\n")
+        yield server, model
+
+
+def print_quickstart(server: ServerThread, model_dir: Path) -> None:
+    """Score SAMPLES through both transports of `server`; print the gRPC table and the largest gap."""
+    print(f"tiny teacher at {model_dir}\nserving gRPC {server.grpc_target}, HTTP {server.http_url}\n")
+    for prompt, response in SAMPLES:
+        tok, prompt_ids = tokenize(prompt, model_dir)
+        ids = prompt_ids + tok(response)["input_ids"]
+        by_grpc = score_once(f"grpc://{server.grpc_target}", ids, prompt_length=len(prompt_ids), topk=3)
+        by_http = score_once(server.http_url, ids, prompt_length=len(prompt_ids), topk=3)
+        print(f"prompt {prompt!r}  response {response!r}  (through gRPC)")
+        print(format_table(ids, by_grpc, tok))
+        worst = max(abs(a - b) for a, b in zip(by_grpc.logprobs, by_http.logprobs, strict=True))
+        print(f"through HTTP: max |gRPC - HTTP| = {worst:.2e}\n")

@@ -8,9 +8,10 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from proctor.server.runtime import ProctorServer, ServerOptions
+from proctor.server.runtime import ProctorServer
+from proctor.server.settings import ServerOptions
 
-from slow_engine import slow_router
+from support.routers import slow_router
 
 
 async def main(model_dir: str, delay: float, grace: float) -> int:

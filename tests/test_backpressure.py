@@ -15,10 +15,11 @@ import httpx
 import pytest
 
 from proctor.proto import scoring_pb2, scoring_pb2_grpc
-from proctor.server.runtime import ServerOptions, ServerThread
+from proctor.server.runtime import ServerThread
 from proctor.server.service import Limits
+from proctor.server.settings import ServerOptions
 
-from slow_engine import slow_router
+from support.routers import slow_router
 
 
 def _request(i: int) -> scoring_pb2.ScoreRequest:

@@ -1,4 +1,5 @@
-"""Batch reassembly: proctor rows ⇄ verl's padded teacher tensors, and jagged hidden states."""
+"""Batch reassembly: proctor rows → verl's padded teacher tensors (the verl adapter's), and
+jagged hidden states (the client's)."""
 
 from __future__ import annotations
 
@@ -6,14 +7,8 @@ import pytest
 import torch
 
 from proctor.client import TeacherScores
-from proctor.client.batch import (
-    hidden_states_batch,
-    pad_verl_rows,
-    rows_from_verl_batch,
-    verl_hidden_rows,
-    verl_rows,
-    verl_teacher_batch,
-)
+from proctor.client.batch import hidden_states_batch
+from proctor.trainer_adapter.verl import pad_verl_rows, verl_hidden_rows, verl_rows, verl_teacher_batch
 
 PAD = 7
 
@@ -75,14 +70,16 @@ def test_verl_batch_round_trips_exactly(topk):
     tokens = [torch.randint(0, 50, (p + r,)) for p, r in zip(prompts, responses, strict=True)]
     scores = [fake_scores(p + r, p, seed=i) for i, (p, r) in enumerate(zip(prompts, responses, strict=True))]
     out = verl_teacher_batch(scores, tokens, prompts, prompt_width=6, response_width=7, topk=topk, pad_token_id=PAD)
-    back = rows_from_verl_batch(out["teacher_ids"], out["teacher_logprobs"], prompts, responses, prompt_width=6)
-    for score, seq, rows in zip(scores, tokens, back, strict=True):
-        assert rows.first_row == score.first_row
+    for b, (score, seq, prompt) in enumerate(zip(scores, tokens, prompts, strict=True)):
+        # Read back as a verl trainer does: token 0 sits at column 6 - prompt, and proctor's
+        # row j (j >= first_row) is verl's row j - 1, one column left of token j.
+        cols = slice(6 - prompt + score.first_row - 1, 6 - prompt + len(seq) - 1)
+        ids, lps = out["teacher_ids"][b, cols], out["teacher_logprobs"][b, cols]
         if topk:
-            assert torch.equal(rows.ids, score.topk_ids) and torch.equal(rows.logprobs, score.topk_logprobs)
+            assert torch.equal(ids, score.topk_ids) and torch.equal(lps, score.topk_logprobs)
         else:
-            assert torch.equal(rows.ids[:, 0].long(), seq[score.first_row :])
-            assert torch.equal(rows.logprobs[:, 0], score.logprobs)
+            assert torch.equal(ids[:, 0].long(), seq[score.first_row :])
+            assert torch.equal(lps[:, 0], score.logprobs)
 
 
 def test_pad_verl_rows_matches_verls_own_padding():

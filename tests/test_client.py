@@ -18,14 +18,9 @@ from proctor.client import (
     UnembeddingMismatch,
 )
 
-from client_support import Reference
+from support.reference import assert_matches_reference, reference_model, reference_rows
 
 TRANSPORTS = ("grpc", "http")
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model_dir) -> Reference:
-    return Reference(tiny_model_dir)
 
 
 def target(server, transport: str) -> str:
@@ -38,15 +33,15 @@ def random_sequences(count: int, seed: int = 0, vocab: int = 512) -> list[list[i
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-async def test_scores_match_a_float64_reference_forward(torch_server, reference, transport):
+async def test_scores_match_the_reference_forward(torch_server, tiny_model_dir, transport):
     ids = random_sequences(1, seed=1)[0] + [5, 6, 7]
     async with TeacherClient(target(torch_server, transport)) as client:
         scores = await client.score(ids, topk=5, hidden_states=True)
-    ref = reference.rows(ids)
+    ref = reference_rows(tiny_model_dir, ids)
     assert scores.first_row == 1 and scores.num_tokens == len(ids) and scores.teacher == "tiny"
-    torch.testing.assert_close(scores.logprobs.double(), ref["logprobs"], atol=1e-4, rtol=0)
-    torch.testing.assert_close(scores.hidden_states.double(), ref["hidden"], atol=1e-4, rtol=1e-4)
-    want_lp, want_ids = ref["logp"].topk(5, dim=-1)
+    torch.testing.assert_close(scores.logprobs.double(), ref.logprobs, atol=1e-4, rtol=0)
+    torch.testing.assert_close(scores.hidden_states.double(), ref.hidden_states.double(), atol=1e-4, rtol=1e-4)
+    want_ids, want_lp = ref.topk(5)
     torch.testing.assert_close(scores.topk_logprobs.double(), want_lp, atol=1e-4, rtol=0)
     assert torch.equal(scores.topk_ids.long(), want_ids)
 
@@ -63,23 +58,23 @@ async def test_grpc_and_http_return_identical_tensors(torch_server):
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-async def test_prompt_length_returns_only_response_rows(torch_server, reference, transport):
+async def test_prompt_length_returns_only_response_rows(torch_server, tiny_model_dir, transport):
     ids = list(range(10, 30))
     async with TeacherClient(target(torch_server, transport)) as client:
         scores = await client.score(ids, prompt_length=12, topk=3)
     assert scores.first_row == 12 and scores.logprobs.shape == (8,) and scores.topk_ids.shape == (8, 3)
-    torch.testing.assert_close(scores.logprobs.double(), reference.rows(ids, 12)["logprobs"], atol=1e-4, rtol=0)
+    assert_matches_reference(scores.logprobs, tiny_model_dir, ids, first_row=12, atol=1e-4)
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-async def test_score_many_256_at_concurrency_32_returns_every_result_in_order(torch_server, reference, transport):
+async def test_score_many_256_at_concurrency_32_returns_every_result_in_order(torch_server, tiny_model_dir, transport):
     sequences = random_sequences(256, seed=3)
     async with TeacherClient(target(torch_server, transport), max_concurrency=32) as client:
         results = await client.score_many(sequences)
     assert len(results) == 256
     for seq, scores in zip(sequences, results, strict=True):
         assert scores.num_tokens == len(seq)
-        torch.testing.assert_close(scores.logprobs.double(), reference.rows(seq)["logprobs"], atol=1e-4, rtol=0)
+        assert_matches_reference(scores.logprobs, tiny_model_dir, seq, atol=1e-4)
     assert len({s.request_id for s in results}) == 256
 
 
@@ -93,10 +88,10 @@ async def test_score_many_takes_per_sequence_inputs(torch_server):
 
 
 async def test_stream_hidden_states_reassembles_many_chunks(tiny_model_dir, torch_server):
+    from proctor.server.config import single_teacher_router
     from proctor.server.engines import EngineSpec
-    from proctor.server.runtime import single_teacher_router
 
-    from client_support import start_server
+    from support.servers import start_server
 
     spec = EngineSpec(name="torch", model_path=str(tiny_model_dir))
     # 64 floats per row: 1 KiB chunks hold 4 rows, so 60 rows come in 15 chunks.
@@ -114,12 +109,12 @@ async def test_stream_hidden_states_reassembles_many_chunks(tiny_model_dir, torc
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-async def test_unembedding_is_the_teachers_lm_head_and_is_cached(torch_server, reference, transport):
+async def test_unembedding_is_the_teachers_lm_head_and_is_cached(torch_server, tiny_model_dir, transport):
     async with TeacherClient(target(torch_server, transport)) as client:
         weight = await client.unembedding("tiny")
         again = await client.unembedding()
     assert again is weight
-    torch.testing.assert_close(weight.double(), reference.model.get_output_embeddings().weight, atol=0, rtol=0)
+    assert torch.equal(weight, reference_model(tiny_model_dir).get_output_embeddings().weight)
 
 
 async def test_unembedding_from_other_weights_is_refused(torch_server):
@@ -181,11 +176,11 @@ async def test_malformed_media_is_refused_before_sending(torch_server):
             await client.score([1, 2, 3], images=["not bytes"])
 
 
-def test_blocking_facade_scores_like_the_async_client(torch_server, reference):
+def test_blocking_facade_scores_like_the_async_client(torch_server, tiny_model_dir):
     ids = [3, 1, 4, 1, 5, 9, 2, 6]
     with SyncTeacherClient(target(torch_server, "grpc")) as client:
         scores = client.score(ids, prompt_length=4)
         many = client.score_many([ids, ids[:5]])
         assert "tiny" in client.teachers()
-    torch.testing.assert_close(scores.logprobs.double(), reference.rows(ids, 4)["logprobs"], atol=1e-4, rtol=0)
+    assert_matches_reference(scores.logprobs, tiny_model_dir, ids, first_row=4, atol=1e-4)
     assert [m.num_tokens for m in many] == [8, 5]

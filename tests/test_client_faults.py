@@ -7,7 +7,6 @@ import asyncio
 import time
 
 import pytest
-import torch
 
 from proctor.client import (
     NO_RETRY,
@@ -17,18 +16,13 @@ from proctor.client import (
     TeacherClient,
     Unauthenticated,
 )
+from proctor.server.config import single_teacher_router
 from proctor.server.engines import EngineSpec
-from proctor.server.runtime import single_teacher_router
 from proctor.server.service import Limits
 
-from client_support import (
-    Reference,
-    delayed_router,
-    engine_of,
-    free_port,
-    request_count,
-    start_server,
-)
+from support.reference import assert_matches_reference
+from support.routers import slow_router
+from support.servers import engine_of, free_port, request_count, start_server
 
 TRANSPORTS = ("grpc", "http")
 
@@ -38,20 +32,15 @@ def target(server, transport: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model_dir) -> Reference:
-    return Reference(tiny_model_dir)
-
-
-@pytest.fixture(scope="module")
 def slow_server(tiny_model_dir):
     """Each batch takes 1 s on top of the real forward pass."""
-    server = start_server(delayed_router(tiny_model_dir, delay=1.0))
+    server = start_server(slow_router(tiny_model_dir, 1.0, name="slow")[0])
     yield server
     server.stop()
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-async def test_server_restart_mid_run_loses_and_duplicates_nothing(tiny_model_dir, reference, transport):
+async def test_server_restart_mid_run_loses_and_duplicates_nothing(tiny_model_dir, transport):
     spec = EngineSpec(name="torch", model_path=str(tiny_model_dir))
     ports = {"grpc_port": free_port(), "http_port": free_port()}
     server = start_server(single_teacher_router(spec, name="tiny"), **ports)
@@ -83,7 +72,7 @@ async def test_server_restart_mid_run_loses_and_duplicates_nothing(tiny_model_di
                 s.stop()
     assert [r.request_id for r in results] == [f"seq-{i}" for i in range(len(sequences))]
     for seq, scores in zip(sequences, results, strict=True):
-        torch.testing.assert_close(scores.logprobs.double(), reference.rows(seq)["logprobs"], atol=1e-4, rtol=0)
+        assert_matches_reference(scores.logprobs, tiny_model_dir, seq, atol=1e-4)
 
 
 @pytest.mark.parametrize("transport", ["grpc", "http"])
@@ -121,7 +110,7 @@ async def test_deadline_is_honoured(slow_server, transport):
 
 
 async def test_full_queue_is_retried_after_the_servers_hint(tiny_model_dir):
-    server = start_server(delayed_router(tiny_model_dir, delay=0.3), limits=Limits(max_queue_requests=1))
+    server = start_server(slow_router(tiny_model_dir, 0.3, name="slow")[0], limits=Limits(max_queue_requests=1))
     try:
         async with TeacherClient(target(server, "grpc"), retry=NO_RETRY) as impatient:
             first = asyncio.ensure_future(impatient.score([1, 2, 3]))

@@ -21,7 +21,7 @@ from proctor.server.config import (
     load_server_config,
 )
 
-from scoring_helpers import cpu_config, torch_teacher, write_config
+from support.configs import cpu_config, torch_teacher, write_config
 
 # verl's multi-teacher example (examples/on_policy_distillation_trainer/run_qwen3_8b_mopd_fsdp.sh),
 # written as YAML with its Hydra `+` overrides, next to the trainer sections verl reads.

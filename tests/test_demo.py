@@ -5,13 +5,20 @@ from __future__ import annotations
 import json
 
 from PIL import Image
+from typer.testing import CliRunner
 
+from proctor.server.cli import app
 from proctor.trainer_adapter.demo import run_demo
 from proctor.trainer_adapter.plot import _raster, _write_png
 
+LINE = (30, 90, 200)  # the builtin writer's curve
+BAND = (200, 220, 245)  # and its loss_min..loss_max band
 
-def test_full_forward_kl_demo_halves_the_loss_and_writes_a_plot(tmp_path, capsys):
-    assert run_demo(steps=8, loss="full_forward_kl", transport="grpc", out=tmp_path, seed=0) == 0
+
+def test_full_forward_kl_demo_halves_the_loss_and_writes_a_plot(tmp_path):
+    result = CliRunner().invoke(app, ["demo", "--steps", "8", "--loss", "full_forward_kl", "--transport", "grpc",
+                                      "--out", str(tmp_path), "--seed", "0"])
+    assert result.exit_code == 0, result.output
     logs = json.loads((tmp_path / "loss_full_forward_kl.json").read_text())
     losses = [entry["loss"] for entry in logs]
     assert len(losses) == 8
@@ -20,20 +27,31 @@ def test_full_forward_kl_demo_halves_the_loss_and_writes_a_plot(tmp_path, capsys
     assert all(entry["tokens_per_s"] > 0 for entry in logs)
     with Image.open(tmp_path / "loss_full_forward_kl.png") as image:
         assert image.size[0] > 100
-    printed = capsys.readouterr().out
+    printed = result.output
     assert "distillation/loss" in printed and "loss_min" in printed and "tok/s" in printed
     assert "through HTTP: max |gRPC - HTTP| = 0.00e+00" in printed  # the quickstart part
 
 
 def test_demo_refuses_unknown_options(tmp_path, capsys):
-    assert run_demo(steps=2, loss="mse_logits", out=tmp_path) == 2
-    assert run_demo(steps=2, transport="carrier-pigeon", out=tmp_path) == 2
+    targets = {"grpc": "grpc://127.0.0.1:1", "http": "http://127.0.0.1:1"}  # never reached
+    assert run_demo(targets, tmp_path, steps=2, loss="mse_logits", out=tmp_path) == 2
+    assert run_demo(targets, tmp_path, steps=2, transport="carrier-pigeon", out=tmp_path) == 2
     assert "--loss must be one of" in capsys.readouterr().err
+    refused = CliRunner().invoke(app, ["demo", "--loss", "mse_logits", "--out", str(tmp_path)])
+    assert refused.exit_code == 2 and "--loss must be one of" in refused.output
 
 
-def test_builtin_png_writer_makes_a_readable_image(tmp_path):
+def test_builtin_png_writer_draws_the_falling_curve_over_its_band(tmp_path):
     path = tmp_path / "curve.png"
     _write_png(path, *_raster([3.0, 2.0, 1.0, 0.5], [1.0, 0.5, 0.2, 0.1], [5.0, 4.0, 2.0, 1.0]))
     with Image.open(path) as image:
         assert image.size == (480, 240) and image.mode == "RGB"
-        assert image.getpixel((240, 120)) is not None
+        pixels = image.convert("RGB").load()
+        curve = {x: min(y for y in range(240) if pixels[x, y] == LINE)
+                 for x in range(480) if any(pixels[x, y] == LINE for y in range(240))}
+        band = sum(pixels[x, y] == BAND for x in range(480) for y in range(240))
+    columns = sorted(curve)
+    assert columns[0] <= 12 and columns[-1] >= 468, "the curve spans the plot from the first step to the last"
+    heights = [curve[x] for x in columns]  # image rows grow downwards: a falling loss sinks
+    assert heights == sorted(heights) and heights[-1] - heights[0] > 80, heights[:: len(heights) // 8]
+    assert band > 0, "the loss_min..loss_max band is not drawn"

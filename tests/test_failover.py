@@ -6,11 +6,12 @@ import concurrent.futures
 import threading
 import time
 
-import torch
-
 from proctor.server.routing import ReplicaState
 
-from scoring_helpers import InjectedReplicas, grpc_score, logprobs_of, reference_logprobs, sequences, wait_for
+from support.reference import assert_matches_reference
+from support.routers import InjectedReplicas
+from support.scoring import grpc_score, logprobs_of, sequences
+from support.servers import wait_for
 
 
 def test_replica_killed_under_load_loses_no_request_and_rejoins(tiny_model_dir):
@@ -42,8 +43,7 @@ def test_replica_killed_under_load_loses_no_request_and_rejoins(tiny_model_dir):
         assert sorted(answered) == sorted(work)
         assert all(len(responses) == 1 for responses in answered.values())
         for request_id, (response,) in answered.items():
-            expected = reference_logprobs(tiny_model_dir, work[request_id])
-            torch.testing.assert_close(logprobs_of(response), expected, rtol=0, atol=1e-5)
+            assert_matches_reference(logprobs_of(response), tiny_model_dir, work[request_id], atol=1e-5)
 
         # The dead replica was restarted and takes load again.
         wait_for(lambda: replicas.replicas[0].state is ReplicaState.HEALTHY and replicas.replicas[0].restarts == 1)
@@ -66,7 +66,7 @@ def test_requests_on_a_replica_that_hangs_are_retried_once_the_health_sweep_take
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             answers = list(pool.map(lambda ids: grpc_score(server.grpc_target, ids, timeout=30), work))
         for ids, answer in zip(work, answers, strict=True):
-            torch.testing.assert_close(logprobs_of(answer), reference_logprobs(tiny_model_dir, ids), rtol=0, atol=1e-5)
+            assert_matches_reference(logprobs_of(answer), tiny_model_dir, ids, atol=1e-5)
         assert replicas.replicas[0].failures == 1
         assert replicas.engines[1].requests + replicas.engines[0].requests == len(work)
     finally:
@@ -82,7 +82,7 @@ def test_dead_replica_is_skipped_while_it_restarts(tiny_model_dir):
         started = time.monotonic()
         for ids in sequences(10, seed=23):
             answer = grpc_score(server.grpc_target, ids)
-            torch.testing.assert_close(logprobs_of(answer), reference_logprobs(tiny_model_dir, ids), rtol=0, atol=1e-5)
+            assert_matches_reference(logprobs_of(answer), tiny_model_dir, ids, atol=1e-5)
         assert time.monotonic() - started < 20
         assert replicas.replicas[1].state is not ReplicaState.HEALTHY
         assert replicas.engines[0].requests == 10 and replicas.engines[1].requests == 0

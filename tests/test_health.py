@@ -9,10 +9,12 @@ import grpc
 import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from proctor.server.chaos import InjectedEngine
 from proctor.server.engines import EngineSpec, create_engine
-from proctor.server.routing import Replica, Router, Teacher
-from proctor.server.runtime import ServerOptions, ServerThread
+from proctor.server.routing import Replica, ReplicaSet, Router
+from proctor.server.runtime import ServerThread
+from proctor.server.settings import ServerOptions
+
+from support.engines import InjectedEngine
 
 
 class SlowLoadingEngine(InjectedEngine):
@@ -25,7 +27,7 @@ def test_health_says_not_serving_while_loading_then_serving(tiny_model_dir):
     async def build():
         return SlowLoadingEngine(create_engine(EngineSpec(name="torch", model_path=str(tiny_model_dir))))
 
-    server = ServerThread(Router([Teacher("tiny", [Replica("tiny-0", build)])]), ServerOptions(grpc_port=0, http_port=0))
+    server = ServerThread(Router([ReplicaSet("tiny", [Replica("tiny-0", build)])]), ServerOptions(grpc_port=0, http_port=0))
     server.start(wait=False)
     try:
         channel = grpc.insecure_channel(server.grpc_target)

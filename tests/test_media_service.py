@@ -11,18 +11,17 @@ import grpc
 import httpx
 import numpy as np
 import pytest
-import torch
 
 from proctor.proto import scoring_pb2, scoring_pb2_grpc
 from proctor.proto.codec import decode_tensor
 from proctor.server.engines import EngineSpec
 from proctor.server.media import MediaLimits
-from proctor.server.routing import Replica, Router, Teacher
+from proctor.server.routing import Replica, ReplicaSet, Router
 from proctor.server.service import Limits
 
-from client_support import start_server
-from media_engine import MediaTakingEngine
-from scoring_helpers import reference_logprobs
+from support.engines import MediaTakingEngine
+from support.reference import assert_matches_reference
+from support.servers import start_server
 
 
 def _png(size=(8, 6)) -> bytes:
@@ -58,7 +57,7 @@ def media_server(tiny_model_dir):
         return engines[-1]
 
     replica = Replica("omni-0", build)
-    router = Router([Teacher("omni", [replica])])
+    router = Router([ReplicaSet("omni", [replica])])
     limits = Limits(media=MediaLimits(max_image_pixels=100 * 100, max_video_frames=8))
     server = start_server(router, limits=limits)
     server.engines, server.replica = engines, replica
@@ -82,7 +81,7 @@ def test_media_reaches_the_engine_decoded_and_the_scores_are_exact(media_server,
     )
     stub = scoring_pb2_grpc.TeacherScoringStub(grpc.insecure_channel(media_server.grpc_target))
     answer = stub.Score(request, timeout=60)
-    torch.testing.assert_close(decode_tensor(answer.logprobs), reference_logprobs(tiny_model_dir, IDS), rtol=0, atol=1e-5)
+    assert_matches_reference(decode_tensor(answer.logprobs), tiny_model_dir, IDS, atol=1e-5)
     received = media_server.engines[0].received[-1]
     assert [image.size for image in received["image"]] == [(8, 6), (5, 5)]
     (wav, wav_rate), (npy, npy_rate) = received["audio"]

@@ -16,15 +16,9 @@ from proctor.server.runtime import ServerThread
 from proctor.server.swap import SwapGroup
 from proctor.server.tiny_model import make_tiny_model
 
-from scoring_helpers import (
-    cpu_config,
-    grpc_score,
-    logprobs_of,
-    reference_logprobs,
-    sequences,
-    torch_teacher,
-    write_config,
-)
+from support.configs import cpu_config, torch_teacher, write_config
+from support.reference import assert_matches_reference
+from support.scoring import grpc_score, logprobs_of, sequences
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +45,7 @@ def test_each_key_is_scored_by_its_own_teacher(two_teacher_server, key, model, t
     model_dir = {"tiny": tiny_model_dir, "other": other_model_dir}[model]
     for ids in sequences(4, seed=hash(key) % 1000):
         response = grpc_score(two_teacher_server.grpc_target, ids, teacher_key=key)
-        torch.testing.assert_close(logprobs_of(response), reference_logprobs(model_dir, ids), rtol=0, atol=1e-5)
+        assert_matches_reference(logprobs_of(response), model_dir, ids, atol=1e-5)
 
 
 def test_the_two_teachers_really_differ(two_teacher_server):
@@ -120,8 +114,8 @@ def test_swapped_in_teacher_scores_like_a_resident_one(shared_server, tiny_model
     swapped_in = logprobs_of(grpc_score(shared_server.grpc_target, ids, teacher_key="code"))
     assert group.resident == "code"
     back = logprobs_of(grpc_score(shared_server.grpc_target, ids, teacher_key="math"))
-    torch.testing.assert_close(resident, reference_logprobs(tiny_model_dir, ids), rtol=0, atol=1e-5)
-    torch.testing.assert_close(swapped_in, reference_logprobs(twin_model_dir, ids), rtol=0, atol=1e-5)
+    assert_matches_reference(resident, tiny_model_dir, ids, atol=1e-5)
+    assert_matches_reference(swapped_in, twin_model_dir, ids, atol=1e-5)
     torch.testing.assert_close(back, resident, rtol=0, atol=0)
     swaps = _swaps(shared_server)
     assert swaps["code"] >= 1 and swaps["math"] >= 1
@@ -134,7 +128,7 @@ def test_interleaved_load_on_shared_teachers_is_answered_with_few_swaps(shared_s
         answers = list(pool.map(lambda kw: grpc_score(shared_server.grpc_target, kw[1], teacher_key=kw[0]), work))
     for (key, ids), response in zip(work, answers, strict=True):
         model = tiny_model_dir if key == "math" else twin_model_dir
-        torch.testing.assert_close(logprobs_of(response), reference_logprobs(model, ids), rtol=0, atol=1e-5)
+        assert_matches_reference(logprobs_of(response), model, ids, atol=1e-5)
     after = _swaps(shared_server)
     swaps = sum(after.values()) - sum(before.values())
     assert swaps <= 12, f"{swaps} swaps for 24 alternating requests: batching per teacher is not working"

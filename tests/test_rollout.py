@@ -6,12 +6,12 @@ import asyncio
 import time
 
 import pytest
-import torch
 
 from proctor.client import TeacherClient
 from proctor.trainer_adapter.rollout import RolloutSample, RolloutScorer, RoutingError
 
-from client_support import Reference, request_count
+from support.reference import assert_matches_reference
+from support.servers import request_count
 
 
 def sample(i: int, source: str | None = "openai/gsm8k") -> RolloutSample:
@@ -21,7 +21,6 @@ def sample(i: int, source: str | None = "openai/gsm8k") -> RolloutSample:
 
 
 async def test_scores_arrive_while_the_rollout_is_still_generating(torch_server, tiny_model_dir):
-    reference = Reference(tiny_model_dir)
     finished_at: list[float] = []
 
     async def rollout():
@@ -41,12 +40,12 @@ async def test_scores_arrive_while_the_rollout_is_still_generating(torch_server,
     for _, scored in got:
         s = scored.sample
         assert scored.scores.first_row == s.prompt_length  # response rows only
-        want = reference.rows(s.token_ids, s.prompt_length)["logprobs"]
-        torch.testing.assert_close(scored.scores.logprobs.double(), want, atol=1e-4, rtol=0)
+        assert_matches_reference(scored.scores.logprobs, tiny_model_dir, s.token_ids, first_row=s.prompt_length,
+                                 atol=1e-4)
 
 
 async def test_samples_route_by_data_source_to_their_teacher(two_teachers, tiny_model_dir, other_model_dir):
-    refs = {"math": Reference(tiny_model_dir), "geo": Reference(other_model_dir)}
+    model_dirs = {"math": tiny_model_dir, "geo": other_model_dir}
     samples = [sample(i, "openai/gsm8k" if i % 3 else "hiyouga/geometry3k") for i in range(9)]
     async with TeacherClient(f"grpc://{two_teachers.grpc_target}") as client:
         scorer = RolloutScorer(client)
@@ -56,8 +55,8 @@ async def test_samples_route_by_data_source_to_their_teacher(two_teachers, tiny_
         want_teacher = "geo" if scored.sample.meta["data_source"] == "hiyouga/geometry3k" else "math"
         assert scored.teacher_key == want_teacher and scored.scores.teacher == want_teacher
         s = scored.sample
-        want = refs[want_teacher].rows(s.token_ids, s.prompt_length)["logprobs"]
-        torch.testing.assert_close(scored.scores.logprobs.double(), want, atol=1e-4, rtol=0)
+        assert_matches_reference(scored.scores.logprobs, model_dirs[want_teacher], s.token_ids,
+                                 first_row=s.prompt_length, atol=1e-4)
 
 
 async def test_a_sample_without_the_key_column_raises_and_sends_nothing(two_teachers):

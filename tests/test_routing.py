@@ -6,12 +6,14 @@ import concurrent.futures
 
 import httpx
 import pytest
-import torch
 
 from proctor.server.errors import Code, ScoringError
-from proctor.server.routing import Replica, ReplicaState, Router, Teacher
+from proctor.server.routing import Replica, ReplicaSet, ReplicaState, Router
 
-from scoring_helpers import InjectedReplicas, grpc_score, logprobs_of, reference_logprobs, sequences, wait_for
+from support.reference import assert_matches_reference
+from support.routers import InjectedReplicas
+from support.scoring import grpc_score, logprobs_of, sequences
+from support.servers import wait_for
 
 SLOW_PER_TOKEN_S = 0.004  # a 20-token request costs the slow replica ~80 ms more than the fast one
 
@@ -24,7 +26,7 @@ def _slow_share(tiny_model_dir, policy: str) -> tuple[int, int]:
         with concurrent.futures.ThreadPoolExecutor(6) as pool:
             answers = list(pool.map(lambda ids: grpc_score(server.grpc_target, ids), work))
         for ids, answer in zip(work[:4], answers[:4], strict=True):
-            torch.testing.assert_close(logprobs_of(answer), reference_logprobs(tiny_model_dir, ids), rtol=0, atol=1e-5)
+            assert_matches_reference(logprobs_of(answer), tiny_model_dir, ids, atol=1e-5)
         fast, slow = (e.requests for e in replicas.engines)
         assert fast + slow == len(work)
         return slow, len(work)
@@ -42,11 +44,11 @@ def test_least_outstanding_sends_a_slow_replica_fewer_requests_than_round_robin(
 
 def test_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="round_robin"):
-        Teacher("t", [Replica("r", None)], policy="random")
+        ReplicaSet("t", [Replica("r", None)], policy="random")
 
 
 def test_single_teacher_needs_no_key_but_an_unknown_one_is_not_found():
-    teacher = Teacher("only", [Replica("r", None)], keys=("k",))
+    teacher = ReplicaSet("only", [Replica("r", None)], keys=("k",))
     router = Router([teacher])
     assert router.route("") is teacher and router.route("k") is teacher and router.route("only") is teacher
     with pytest.raises(ScoringError) as err:
@@ -82,6 +84,6 @@ def test_teacher_without_a_healthy_replica_answers_unavailable_with_a_retry_hint
         replicas.fail_restarts = False  # the device is back: the restart loop brings the replica in
         wait_for(lambda: replicas.replicas[0].state is ReplicaState.HEALTHY)
         answer = grpc_score(server.grpc_target, ids)
-        torch.testing.assert_close(logprobs_of(answer), reference_logprobs(tiny_model_dir, ids), rtol=0, atol=1e-5)
+        assert_matches_reference(logprobs_of(answer), tiny_model_dir, ids, atol=1e-5)
     finally:
         server.stop()

@@ -18,7 +18,7 @@ import torch
 
 from proctor.proto import decode_tensor, scoring_pb2, scoring_pb2_grpc
 
-from reference import reference_rows
+from support.reference import ReferenceRows, reference_model, reference_rows
 
 
 def _ids(length: int, seed: int, vocab: int = 512) -> list[int]:
@@ -37,12 +37,12 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, atol: float) -> None:
     torch.testing.assert_close(actual.double(), expected.double(), atol=atol, rtol=0)
 
 
-def _check_topk(ids: torch.Tensor, logprobs: torch.Tensor, ref: dict, atol: float) -> None:
+def _check_topk(ids: torch.Tensor, logprobs: torch.Tensor, ref: ReferenceRows, atol: float) -> None:
     """Top-k log-probs match; ids match except where neighbouring values tie within atol."""
-    _close(logprobs, ref["topk_logprobs"], atol)
-    mismatch = ids.long() != ref["topk_ids"]
+    ref_ids, values = ref.topk(ids.shape[1])
+    _close(logprobs, values, atol)
+    mismatch = ids.long() != ref_ids
     if mismatch.any():
-        values = ref["topk_logprobs"]
         gaps = torch.cat([values[:, :-1] - values[:, 1:], torch.full_like(values[:, :1], float("inf"))], dim=1)
         near_tie = (gaps < 10 * atol) | torch.roll(gaps < 10 * atol, 1, dims=1)
         assert bool(near_tie[mismatch].all()), "top-k ids differ where no tie explains it"
@@ -51,32 +51,32 @@ def _check_topk(ids: torch.Tensor, logprobs: torch.Tensor, ref: dict, atol: floa
 def test_grpc_scores_equal_reference_forward(scoring_server, stub):
     ids = _ids(40, seed=1)
     reply = stub.Score(scoring_pb2.ScoreRequest(token_ids=ids, prompt_length=12, logprobs=True, topk=8, hidden_states=True))
-    ref = reference_rows(scoring_server.model_dir, ids, first_row=12, topk=8)
+    ref = reference_rows(scoring_server.model_dir, ids, first_row=12)
     assert reply.first_row == 12 and reply.num_tokens == 40
     assert reply.logprobs.first_row == 12 and list(reply.topk_ids.shape) == [28, 8]
-    _close(decode_tensor(reply.logprobs), ref["logprobs"], scoring_server.atol)
+    _close(decode_tensor(reply.logprobs), ref.logprobs, scoring_server.atol)
     _check_topk(decode_tensor(reply.topk_ids), decode_tensor(reply.topk_logprobs), ref, scoring_server.atol)
-    _close(decode_tensor(reply.hidden_states), ref["hidden_states"], scoring_server.atol)
+    _close(decode_tensor(reply.hidden_states), ref.hidden_states, scoring_server.atol)
 
 
 def test_without_prompt_length_rows_start_at_one(scoring_server, stub):
     ids = _ids(9, seed=2)
     reply = stub.Score(scoring_pb2.ScoreRequest(token_ids=ids, logprobs=True))
     assert reply.first_row == 1
-    _close(decode_tensor(reply.logprobs), reference_rows(scoring_server.model_dir, ids)["logprobs"], scoring_server.atol)
+    _close(decode_tensor(reply.logprobs), reference_rows(scoring_server.model_dir, ids).logprobs, scoring_server.atol)
 
 
 def test_http_json_matches_reference_with_nulls_before_first_row(scoring_server):
     ids = _ids(20, seed=3)
     body = {"token_ids": ids, "prompt_length": 5, "logprobs": True, "topk": 4, "hidden_states": True}
     data = httpx.post(scoring_server.http_url + "/v1/score", json=body, timeout=60).json()
-    ref = reference_rows(scoring_server.model_dir, ids, first_row=5, topk=4)
+    ref = reference_rows(scoring_server.model_dir, ids, first_row=5)
     assert data["logprobs"][:5] == [None] * 5 and len(data["logprobs"]) == 20
-    _close(torch.tensor(data["logprobs"][5:]), ref["logprobs"], scoring_server.atol)
+    _close(torch.tensor(data["logprobs"][5:]), ref.logprobs, scoring_server.atol)
     _check_topk(torch.tensor(data["topk_ids"][5:]), torch.tensor(data["topk_logprobs"][5:]), ref, scoring_server.atol)
     hidden = data["hidden_states"]
     raw = np.frombuffer(base64.b64decode(hidden["data"]), dtype=hidden["dtype"]).reshape(hidden["shape"])
-    _close(torch.from_numpy(raw.copy()), ref["hidden_states"], scoring_server.atol)
+    _close(torch.from_numpy(raw.copy()), ref.hidden_states, scoring_server.atol)
     assert data["teacher"] == "tiny" and data["request_id"]
 
 
@@ -106,10 +106,10 @@ def test_concurrent_requests_are_exact(scoring_server, stub):
     with ThreadPoolExecutor(16) as pool:
         replies = list(pool.map(score, sequences))
     for ids, reply in zip(sequences, replies, strict=True):
-        ref = reference_rows(scoring_server.model_dir, ids, topk=4)
-        _close(decode_tensor(reply.logprobs), ref["logprobs"], scoring_server.atol)
-        _close(decode_tensor(reply.topk_logprobs), ref["topk_logprobs"], scoring_server.atol)
-        _close(decode_tensor(reply.hidden_states), ref["hidden_states"], scoring_server.atol)
+        ref = reference_rows(scoring_server.model_dir, ids)
+        _close(decode_tensor(reply.logprobs), ref.logprobs, scoring_server.atol)
+        _close(decode_tensor(reply.topk_logprobs), ref.topk(4)[1], scoring_server.atol)
+        _close(decode_tensor(reply.hidden_states), ref.hidden_states, scoring_server.atol)
 
 
 def test_torch_engine_batches_concurrent_requests_into_fewer_passes(torch_server):
@@ -134,12 +134,10 @@ def test_list_teachers_describes_the_teacher(scoring_server, stub):
 
 
 def test_unembedding_streams_the_lm_head_exactly(scoring_server, stub):
-    from reference import _model
-
     chunks = list(stub.GetUnembedding(scoring_pb2.UnembeddingRequest()))
     weight = torch.cat([decode_tensor(c.tensor) for c in chunks])
     assert chunks[-1].last and list(chunks[0].full_shape) == [512, 64]
-    assert torch.equal(weight, _model(str(scoring_server.model_dir)).lm_head.weight.detach())
+    assert torch.equal(weight, reference_model(scoring_server.model_dir).lm_head.weight.detach())
 
 
 def test_health_and_reflection_and_openapi(scoring_server):

@@ -8,14 +8,16 @@ import torch
 
 from proctor.proto import decode_tensor, scoring_pb2, scoring_pb2_grpc
 
-from reference import reference_rows
+from support.reference import reference_rows
 
 
 @pytest.fixture(scope="module")
 def wide_server(tmp_path_factory):
     """A teacher with hidden size 2048: 8 KiB of float32 per row."""
+    from proctor.server.config import single_teacher_router
     from proctor.server.engines import EngineSpec
-    from proctor.server.runtime import ServerOptions, ServerThread, single_teacher_router
+    from proctor.server.runtime import ServerThread
+    from proctor.server.settings import ServerOptions
     from proctor.server.tiny_model import make_tiny_model
 
     path = make_tiny_model(tmp_path_factory.mktemp("wide"), hidden_size=2048, num_layers=1, num_heads=16,
@@ -43,5 +45,5 @@ def test_hidden_states_over_8_mib_arrive_whole_through_the_stream(wide_server):
     assert hidden.numel() * 4 > 8 << 20
     assert b"".join(p.data for p in pieces) == unary.hidden_states.data  # bit-exact reassembly
     ref = reference_rows(path, ids)
-    torch.testing.assert_close(hidden, ref["hidden_states"], atol=1e-5, rtol=0)
-    torch.testing.assert_close(decode_tensor(chunks[0].response.logprobs).double(), ref["logprobs"], atol=1e-5, rtol=0)
+    torch.testing.assert_close(hidden, ref.hidden_states, atol=1e-5, rtol=0)
+    torch.testing.assert_close(decode_tensor(chunks[0].response.logprobs).double(), ref.logprobs, atol=1e-5, rtol=0)

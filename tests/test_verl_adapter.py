@@ -4,7 +4,7 @@ verl's `AsyncTeacherLLMServerManager` is built without its config parsing (verl'
 `DistillationLossConfig` pulls in `datasets`, absent here) but every method called is verl's:
 `compute_teacher_logprobs_single`, `_resolve_teacher_key`, `_get_teacher_sampling_params`,
 `_pad_teacher_outputs`. verl's vLLM row extraction (`extract_prompt_logprobs`) is read
-from verl's source and run on vLLM-shaped log-probs of the float64 reference teacher.
+from verl's source and run on vLLM-shaped log-probs of the reference teacher.
 """
 
 from __future__ import annotations
@@ -21,25 +21,20 @@ import pytest
 import torch
 
 from proctor.client import TeacherClient
-from proctor.client.batch import verl_teacher_batch
 from proctor.trainer_adapter.verl import (
     ProctorTeacherClient,
     ProctorTeacherModelManager,
     make_teacher_clients,
     media_item,
     teacher_unembeddings,
+    verl_teacher_batch,
     verl_teacher_keys,
 )
 
-from client_support import Reference
+from support.reference import assert_matches_reference, reference_model, reference_rows
 
 teacher_manager = pytest.importorskip("verl.experimental.teacher_loop.teacher_manager")
 PAD = 0
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model_dir) -> Reference:
-    return Reference(tiny_model_dir)
 
 
 def verl_config(target: str, teacher_models: dict, **proctor: Any) -> dict:
@@ -69,10 +64,10 @@ def verl_extract_prompt_logprobs():
     return namespace["extract_prompt_logprobs"]
 
 
-def vllm_prompt_logprobs(reference: Reference, ids: list[int], k: int):
+def vllm_prompt_logprobs(model_dir: Path, ids: list[int], k: int):
     """What vLLM returns as `prompt_logprobs`: None, then per token {id: Logprob(logprob, rank)}
     with the top-k plus the actual token (rank 1-based)."""
-    logp = reference.rows(ids)["logp"]  # row j predicts token j
+    logp = reference_rows(model_dir, ids).distributions  # row j predicts token j
     out = [None]
     for j, row in enumerate(logp, start=1):
         order = torch.argsort(row, descending=True)
@@ -84,13 +79,13 @@ def vllm_prompt_logprobs(reference: Reference, ids: list[int], k: int):
 
 
 @pytest.mark.parametrize("topk", [0, 5])
-async def test_verls_teacher_manager_gets_what_vllm_would_give_it(torch_server, reference, topk):
+async def test_verls_teacher_manager_gets_what_vllm_would_give_it(torch_server, tiny_model_dir, topk):
     ids = [(11 * j + 3) % 512 for j in range(14)]
     clients = make_teacher_clients(verl_config(f"grpc://{torch_server.grpc_target}", {"teacher_model": {}}))
     manager = verl_manager(clients, topk=topk)
     teacher_ids, teacher_logprobs = await manager.compute_teacher_logprobs_single(sequence_ids=ids)
     expected: dict = {}
-    verl_extract_prompt_logprobs()(SimpleNamespace(prompt_logprobs=vllm_prompt_logprobs(reference, ids, topk)),
+    verl_extract_prompt_logprobs()(SimpleNamespace(prompt_logprobs=vllm_prompt_logprobs(tiny_model_dir, ids, topk)),
                                    topk, expected)
     want_ids = torch.tensor(expected["prompt_ids"], dtype=torch.int32)
     want_lps = torch.tensor(expected["prompt_logprobs"])
@@ -132,23 +127,23 @@ async def test_multi_teacher_routing_goes_through_verls_resolver(two_teachers, t
     ids = [4, 8, 15, 16, 23, 42]
     _, geo = await manager.compute_teacher_logprobs_single(sequence_ids=ids, routing_key="hiyouga/geometry3k")
     _, math = await manager.compute_teacher_logprobs_single(sequence_ids=ids, routing_key="openai/gsm8k")
-    torch.testing.assert_close(geo[:-1, 0].double(), Reference(other_model_dir).rows(ids)["logprobs"], atol=1e-4, rtol=0)
-    torch.testing.assert_close(math[:-1, 0].double(), Reference(tiny_model_dir).rows(ids)["logprobs"], atol=1e-4, rtol=0)
+    assert_matches_reference(geo[:-1, 0], other_model_dir, ids, atol=1e-4)
+    assert_matches_reference(math[:-1, 0], tiny_model_dir, ids, atol=1e-4)
     with pytest.raises(ValueError, match="No teacher configured for routing key"):
         await manager.compute_teacher_logprobs_single(sequence_ids=ids, routing_key="lmsys/chat")
 
 
-async def test_hidden_states_variant_carries_verl_rows_and_the_unembedding(torch_server, reference):
+async def test_hidden_states_variant_carries_verl_rows_and_the_unembedding(torch_server, tiny_model_dir):
     config = verl_config(f"grpc://{torch_server.grpc_target}", {"teacher_model": {}}, hidden_states=True)
     clients = make_teacher_clients(config)
     ids = [9, 8, 7, 6, 5, 4, 3]
     out = await clients["default"].generate("r1", prompt_ids=ids, sampling_params={"prompt_logprobs": 0})
     hidden = out.extra_fields["teacher_hidden_states"]
     assert hidden.shape == (7, 64) and out.extra_fields["teacher_key"] == "tiny"
-    torch.testing.assert_close(hidden[:-1].double(), reference.rows(ids)["hidden"], atol=1e-4, rtol=1e-4)
+    want = reference_rows(tiny_model_dir, ids).hidden_states
+    torch.testing.assert_close(hidden[:-1].double(), want.double(), atol=1e-4, rtol=1e-4)
     weights = await teacher_unembeddings(clients)
-    torch.testing.assert_close(weights["default"].double(), reference.model.get_output_embeddings().weight,
-                               atol=0, rtol=0)
+    assert torch.equal(weights["default"], reference_model(tiny_model_dir).get_output_embeddings().weight)
 
 
 async def test_client_survives_pickling_for_ray_workers(torch_server):

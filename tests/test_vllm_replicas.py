@@ -19,14 +19,14 @@ import grpc
 import httpx
 import psutil
 import pytest
-import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from proctor.proto import scoring_pb2, scoring_pb2_grpc
 from proctor.proto.codec import decode_tensor
 
-from conftest import SubprocessServer, engine_cores
-from scoring_helpers import reference_logprobs, sequences, wait_for
+from support.reference import assert_matches_reference
+from support.scoring import sequences
+from support.servers import SubprocessServer, engine_cores, wait_for
 
 pytestmark = pytest.mark.vllm
 
@@ -84,8 +84,7 @@ def _stub(server):
 
 
 def _check(model_dir, ids, response) -> None:
-    expected = reference_logprobs(model_dir, ids, first_row=1)
-    torch.testing.assert_close(decode_tensor(response.logprobs), expected, rtol=0, atol=1e-4)
+    assert_matches_reference(decode_tensor(response.logprobs), model_dir, ids, atol=1e-4)
 
 
 def test_two_replicas_start_and_both_serve_correct_scores(two_replicas, vllm_model_dir):

@@ -1,6 +1,7 @@
 """`proctor demo`: on-policy distillation end to end on the CPU, in about a minute.
 
-A proctor server serves the built-in tiny teacher; the student is that teacher with noise
+A proctor server serves the built-in tiny teacher (`proctor demo` starts it and hands
+`run_demo` its targets and model directory); the student is that teacher with noise
 on its weights. Each step the student samples responses for a few prompts in small batches;
 every finished batch goes to the teacher through the rollout hook while the next batch is
 being sampled (scoring overlaps generation); then the chosen distillation loss trains the
@@ -9,7 +10,8 @@ unembedding, and the loss runs chunked on student hidden states + lm_head agains
 Because the target is reachable exactly, the loss must fall clearly: a flat curve means the
 scores, the row alignment or the loss is wrong.
 
-This is the one trainer-side module that starts a server (imported inside `run_demo`).
+Trainer side only: the teacher is reached through `proctor.client`, as a trainer would reach
+a remote one; the model directory is read for the tokenizer and the student's weights.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import asyncio
 import json
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -64,7 +67,6 @@ class DemoSettings:
     topk: int = 32
     noise: float = 0.6
     lr: float = 3e-3
-    quickstart: bool = True
 
 
 @dataclass
@@ -105,28 +107,6 @@ class _Progress:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
-
-
-def _quickstart(server, model_dir: Path, tokenizer) -> None:
-    """A few sequences scored through gRPC and HTTP, printed side by side."""
-    from proctor.server.quickstart import SAMPLES
-    from proctor.server.score_cli import RowScores, format_table
-
-    async def both():
-        async with TeacherClient(f"grpc://{server.grpc_target}") as g, TeacherClient(server.http_url) as h:
-            for prompt, response in SAMPLES:
-                prompt_ids = tokenizer(prompt)["input_ids"]
-                ids = prompt_ids + tokenizer(response)["input_ids"]
-                a, b = await asyncio.gather(g.score(ids, prompt_length=len(prompt_ids), topk=3),
-                                            h.score(ids, prompt_length=len(prompt_ids), topk=3))
-                rows = RowScores(a.first_row, a.logprobs.tolist(), a.topk_ids.tolist(), a.topk_logprobs.tolist(),
-                                 a.teacher)
-                print(f"prompt {prompt!r}  response {response!r}  (through gRPC)")
-                print(format_table(ids, rows, tokenizer))
-                print(f"through HTTP: max |gRPC - HTTP| = {(a.logprobs - b.logprobs).abs().max().item():.2e}\n")
-
-    print(f"tiny teacher at {model_dir}\nserving gRPC {server.grpc_target}, HTTP {server.http_url}\n")
-    asyncio.run(both())
 
 
 async def _rollout_and_score(student, prompts, scorer: RolloutScorer, settings: DemoSettings, step: int,
@@ -171,8 +151,8 @@ def _loss_inputs(mode: str, results: list[ScoredSample], student, teacher_weight
     return inputs
 
 
-def train(server, model_dir: Path, tokenizer, settings: DemoSettings, out: Path) -> list[StepLog]:
-    """The distillation loop against a running server; returns one StepLog per step."""
+def train(target: str, model_dir: Path, tokenizer, settings: DemoSettings) -> list[StepLog]:
+    """The distillation loop against the teacher at `target`; returns one StepLog per step."""
     mode = LOSSES[settings.loss]
     student = noisy_student(model_dir, noise=settings.noise, seed=settings.seed)
     optimizer = torch.optim.Adam(student.parameters(), lr=settings.lr)
@@ -182,7 +162,6 @@ def train(server, model_dir: Path, tokenizer, settings: DemoSettings, out: Path)
     # student is furthest from the teacher, and the curve would stall.
     config = {"loss_mode": mode, "topk": settings.topk, "use_task_rewards": False, "log_prob_min_clamp": None,
               "use_policy_gradient": mode == "k1", "loss_agg_mode": "token-mean"}
-    target = f"grpc://{server.grpc_target}" if settings.transport == "grpc" else server.http_url
     logs: list[StepLog] = []
     progress = _Progress(settings.steps)
 
@@ -220,40 +199,41 @@ def train(server, model_dir: Path, tokenizer, settings: DemoSettings, out: Path)
     return logs
 
 
-def run_demo(steps: int = 30, loss: str = "full_forward_kl", transport: str = "grpc", out: Path = Path("out"),
-             seed: int = 0, **overrides) -> int:
-    """Start the tiny teacher, distil a noisy student from it, write the loss plot; exit code."""
+def option_error(*, steps: int, loss: str, transport: str) -> str | None:
+    """What is wrong with the demo's options, said as the command line would, or None.
+
+    `proctor demo` asks before it starts a server; `run_demo` asks again for direct callers.
+    """
     if loss not in LOSSES:
-        print(f"proctor demo: --loss must be one of {', '.join(LOSSES)}, got {loss!r}", file=sys.stderr)
-        return 2
+        return f"--loss must be one of {', '.join(LOSSES)}, got {loss!r}"
     if transport not in TRANSPORTS:
-        print(f"proctor demo: --transport must be grpc or http, got {transport!r}", file=sys.stderr)
-        return 2
+        return f"--transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}"
     if steps < 1:
-        print("proctor demo: --steps must be at least 1", file=sys.stderr)
+        return "--steps must be at least 1"
+    return None
+
+
+def run_demo(targets: Mapping[str, str], model_dir: Path, *, steps: int = 30, loss: str = "full_forward_kl",
+             transport: str = "grpc", out: Path = Path("out"), seed: int = 0, **overrides) -> int:
+    """Distil a noisy student from the teacher served at `targets[transport]` (grpc://… and
+    http://… of one server), write the loss plot and log to `out`; the exit code."""
+    problem = option_error(steps=steps, loss=loss, transport=transport)
+    if problem:
+        print(f"proctor demo: {problem}", file=sys.stderr)
         return 2
     from transformers import AutoTokenizer
-
-    from proctor.server.engines import EngineSpec
-    from proctor.server.runtime import ServerOptions, ServerThread, single_teacher_router
-    from proctor.server.tiny_model import ensure_default_model
 
     settings = DemoSettings(steps=steps, loss=loss, transport=transport, seed=seed, **overrides)
     torch.manual_seed(seed)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    model_dir = ensure_default_model()
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-    spec = EngineSpec(name="torch", model_path=str(model_dir), max_topk=max(64, settings.topk))
-    with ServerThread(single_teacher_router(spec, name="tiny"), ServerOptions(grpc_port=0, http_port=0)) as server:
-        if settings.quickstart:
-            _quickstart(server, model_dir, tokenizer)
-        print(f"on-policy distillation: loss {loss} ({LOSSES[loss]}), transport {transport}, {steps} steps, "
-              f"{len(PROMPTS)} prompts x {settings.samples_per_prompt} samples x {settings.response_length} tokens, "
-              f"sampled in {settings.groups} batches")
-        started = time.monotonic()
-        logs = train(server, model_dir, tokenizer, settings, out)
-        elapsed = time.monotonic() - started
+    print(f"on-policy distillation: loss {loss} ({LOSSES[loss]}), transport {transport}, {steps} steps, "
+          f"{len(PROMPTS)} prompts x {settings.samples_per_prompt} samples x {settings.response_length} tokens, "
+          f"sampled in {settings.groups} batches")
+    started = time.monotonic()
+    logs = train(targets[transport], Path(model_dir), tokenizer, settings)
+    elapsed = time.monotonic() - started
     losses = [log.loss for log in logs]
     plot = out / f"loss_{loss}.png"
     writer = plot_losses(plot, losses, [log.loss_min for log in logs], [log.loss_max for log in logs],

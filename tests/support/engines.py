@@ -1,26 +1,25 @@
-"""Fault and delay injection around a real engine, for failover drills and routing benchmarks.
+"""Engines for tests and benchmarks: the real torch engine behind a switch, never a fake score.
 
 `InjectedEngine` wraps a real `TeacherEngine`: it can be made slower (a per-token delay,
-as a slower device would be, or a per-batch one, as a larger teacher would be), killed (every later call fails and its health check says
-so: a crashed replica) or frozen (calls never return and the health check fails: a wedged
-device or a hung actor), which is what failing replicas look like to the router. Scores still come from the
-wrapped engine, so answers can be checked exactly while replicas fail under them.
+as a slower device would be, or a per-batch one, as a larger teacher would be), killed (every
+later call fails and its health check says so: a crashed replica) or frozen (calls never
+return and the health check fails: a wedged device or a hung actor), which is what failing
+replicas look like to the router. `MediaTakingEngine` declares images, videos and audios, so
+the service's media path runs on a machine without a multimodal engine. Scores still come
+from the wrapped engine, so answers can be checked exactly while replicas fail under them.
+This is test support: it does not ship in the server package.
 """
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
+from typing import Any
 
 import torch
 
-from proctor.server.engines.base import (
-    EngineError,
-    EngineInfo,
-    EngineRequest,
-    EngineResult,
-    Outcome,
-    TeacherEngine,
-)
+from proctor.server.engines import EngineError, EngineResult, EngineSpec, TeacherEngine, create_engine
+from proctor.server.engines.base import EngineInfo, EngineRequest, Outcome
 
 
 class InjectedEngine(TeacherEngine):
@@ -98,3 +97,24 @@ class InjectedEngine(TeacherEngine):
 
     async def abort(self, request_keys: list[str]) -> None:
         await self.inner.abort(request_keys)
+
+
+class MediaTakingEngine(InjectedEngine):
+    """The real torch engine declaring images, videos and audios.
+
+    The engines that take media for real (vLLM-Omni's Thinker, the multimodal vLLM and torch
+    paths) cannot run on every machine, so this records the decoded media each request brought
+    (what the service decoded before admission: the engine never sees bytes) and scores the
+    text tokens with the wrapped engine, so answers stay exact.
+    """
+
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(create_engine(spec))
+        self.received: list[dict[str, Any] | None] = []  # decoded media per scored request
+
+    def describe(self) -> EngineInfo:
+        return replace(self.inner.describe(), media=("images", "videos", "audios"))
+
+    async def score(self, batch: list[EngineRequest]) -> list[Outcome]:
+        self.received.extend(r.media.decoded if r.media else None for r in batch)
+        return await super().score([replace(r, media=None) for r in batch])

@@ -1,0 +1,154 @@
+"""Real servers for tests and benchmarks: in this process on loopback, or `proctor serve` in a
+process of its own, and what a test reads back from them (metrics, engines, readiness).
+
+Every port is picked by the operating system (port 0) unless a test needs to know it first.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from proctor.server.routing import Router
+from proctor.server.runtime import ServerThread
+from proctor.server.settings import ServerOptions
+
+
+def start_server(router: Router, **options) -> ServerThread:
+    """`router` served in this process on free loopback ports; `options` are ServerOptions fields."""
+    options.setdefault("grpc_port", 0)
+    options.setdefault("http_port", 0)
+    return ServerThread(router, ServerOptions(**options)).start()
+
+
+def free_port() -> int:
+    """A port free now, for a test that must know a server's port before starting it."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def request_count(server: ServerThread, outcome: str) -> float:
+    """proctor:requests_total summed over teachers and modes for one outcome."""
+    text = server.server.service.metrics.render().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("proctor:requests_total{") and f'outcome="{outcome}"' in line:
+            total += float(re.split(r"\s+", line)[-1])
+    return total
+
+
+def engine_of(server: ServerThread, teacher: str):
+    """The engine of `teacher`'s first replica, for counters the wire does not show."""
+    return server.server.service.router.teachers[teacher].replicas[0].engine
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 30.0, interval: float = 0.05) -> None:
+    """Poll until `predicate()` holds; fail the test if it does not within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(interval)
+
+
+@dataclass
+class ServerUnderTest:
+    """What the engine-agnostic service tests need to know about a running server."""
+
+    engine: str
+    grpc_target: str
+    http_url: str
+    model_dir: Path
+    atol: float
+
+
+class SubprocessServer:
+    """`proctor serve` in its own process (engines such as vLLM want their own main process).
+
+    Startup reads the server's first line for its ports, then waits for `/health/ready`; the
+    output keeps being collected in `log` (replica processes log their pids there).
+    """
+
+    def __init__(self, args: list[str], *, startup_timeout: float = 240) -> None:
+        import httpx
+
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "proctor.server.cli", "serve", "--grpc-port", "0", "--http-port", "0", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.log: list[str] = []
+        deadline = time.monotonic() + startup_timeout
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError("server exited during startup:\n" + "".join(self.log[-40:]))
+            self.log.append(line)
+            match = re.search(r"gRPC on (\S+):(\d+), HTTP on (\S+):(\d+)", line)
+            if match:
+                self.grpc_target = f"{match.group(1)}:{match.group(2)}"
+                self.http_url = f"http://{match.group(3)}:{match.group(4)}"
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError("server did not start")
+        threading.Thread(target=self._drain_output, daemon=True).start()
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.http_url + "/health/ready", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if self.proc.poll() is not None:
+                raise RuntimeError("server exited during startup:\n" + "".join(self.log[-40:]))
+            time.sleep(0.5)
+        raise TimeoutError("server never became ready:\n" + "".join(self.log[-40:]))
+
+    def _drain_output(self) -> None:
+        for line in self.proc.stdout:
+            self.log.append(line)
+
+    def stop(self, timeout: float = 60) -> int:
+        """SIGTERM (the server drains), then SIGKILL if it has not exited within `timeout`."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except Exception:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+def engine_cores(server: SubprocessServer) -> dict:
+    """replica id -> the vLLM EngineCore process of that replica of a `proctor serve` process.
+
+    Each vLLM replica runs in an engine host (`proctor.server.engines.engine_host`) that logs
+    "<replica>: vllm engine ready in host process <pid>"; its EngineCore is a child of the host.
+    """
+    import psutil
+
+    hosts = {}
+    for line in server.log:
+        match = re.search(r"(\S+): vllm engine ready in host process (\d+)", line)
+        if match:
+            hosts[int(match.group(2))] = match.group(1)
+    cores = {}
+    for proc in psutil.Process(server.proc.pid).children(recursive=True):
+        if proc.pid not in hosts:
+            continue
+        for child in proc.children(recursive=True):
+            try:  # a dying replica leaves zombies and vanishing processes in the tree
+                if "EngineCore" in child.name() or "EngineCore" in " ".join(child.cmdline()):
+                    cores[hosts[proc.pid]] = child
+            except psutil.Error:
+                continue
+    return cores
