@@ -42,8 +42,10 @@ def stub(torch_server):
 @pytest.fixture(scope="module")
 def limited(tiny_model_dir):
     """A server with a bearer token and a 1 MiB message limit (size and auth cases)."""
+    from proctor.server.config import single_teacher_router
     from proctor.server.engines import EngineSpec
-    from proctor.server.runtime import ServerOptions, ServerThread, single_teacher_router
+    from proctor.server.runtime import ServerThread
+    from proctor.server.settings import ServerOptions
 
     spec = EngineSpec(name="torch", model_path=str(tiny_model_dir))
     options = ServerOptions(grpc_port=0, http_port=0, auth_token=TOKEN, max_message_bytes=LIMIT)

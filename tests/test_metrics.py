@@ -12,8 +12,10 @@ from proctor.proto import scoring_pb2, scoring_pb2_grpc
 
 @pytest.fixture
 def fresh_server(tiny_model_dir):
+    from proctor.server.config import single_teacher_router
     from proctor.server.engines import EngineSpec
-    from proctor.server.runtime import ServerOptions, ServerThread, single_teacher_router
+    from proctor.server.runtime import ServerThread
+    from proctor.server.settings import ServerOptions
 
     spec = EngineSpec(name="torch", model_path=str(tiny_model_dir))
     with ServerThread(single_teacher_router(spec, name="tiny"), ServerOptions(grpc_port=0, http_port=0)) as server:
@@ -56,8 +58,10 @@ def test_counts_after_known_traffic_are_exact(fresh_server):
 
 
 def test_metrics_can_also_be_served_on_their_own_port(tiny_model_dir):
+    from proctor.server.config import single_teacher_router
     from proctor.server.engines import EngineSpec
-    from proctor.server.runtime import ServerOptions, ServerThread, single_teacher_router
+    from proctor.server.runtime import ServerThread
+    from proctor.server.settings import ServerOptions
 
     spec = EngineSpec(name="torch", model_path=str(tiny_model_dir))
     options = ServerOptions(grpc_port=0, http_port=0, metrics_port=0)
