@@ -60,3 +60,21 @@ def is_hidden_state(mode: str) -> bool:
 def is_sampled(mode: str) -> bool:
     """The mode needs only the teacher's log-probs of the sampled tokens."""
     return mode in SAMPLED_MODES
+
+
+class LossFamilies:
+    """The families of a settings object's `loss_mode`, under one name on both sides."""
+
+    loss_mode: str
+
+    @property
+    def is_topk(self) -> bool:
+        return is_topk(self.loss_mode)
+
+    @property
+    def is_hidden_state(self) -> bool:
+        return is_hidden_state(self.loss_mode)
+
+    @property
+    def is_sampled(self) -> bool:
+        return is_sampled(self.loss_mode)

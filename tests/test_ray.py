@@ -31,16 +31,15 @@ from proctor.server.config import load_server_config
 from proctor.server.routing import ReplicaState
 from proctor.server.runtime import ServerThread
 
-from scoring_helpers import (
-    cpu_config,
-    grpc_score,
-    logprobs_of,
-    reference_logprobs,
-    sequences,
-    torch_teacher,
-    wait_for,
-    write_config,
-)
+from support.configs import cpu_config, torch_teacher, write_config
+from support.reference import reference_rows
+from support.scoring import grpc_score, logprobs_of, sequences
+from support.servers import wait_for
+
+
+def reference_logprobs(model_dir, ids, first_row: int = 1) -> torch.Tensor:
+    """The reference's log-probs in float32, the dtype these replicas answer in."""
+    return reference_rows(model_dir, ids, first_row).logprobs.float()
 
 ray = pytest.importorskip("ray")
 

@@ -12,20 +12,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from proctor.proto.loss_modes import (
-    LOSS_MODES,
-    LOSS_SETTINGS,
-    VERL_IGNORED_LOSS_KEYS,
-    is_hidden_state,
-    is_sampled,
-    is_topk,
-)
+from proctor.proto.loss_modes import LOSS_MODES, LOSS_SETTINGS, VERL_IGNORED_LOSS_KEYS, LossFamilies
 
 from .aggregate import AGG_MODES
 
 
 @dataclass(frozen=True)
-class LossSettings:
+class LossSettings(LossFamilies):
     """Everything ``distillation_loss`` reads from the config.
 
     Defaults are those of verl's `distillation.yaml` (what a verl run actually gets, and what
@@ -52,18 +45,6 @@ class LossSettings:
     pg_ratio: float | None = LOSS_SETTINGS["pg_ratio"]
     gkd_ratio: float | None = LOSS_SETTINGS["gkd_ratio"]
 
-    # The families are the schema's (proctor.proto.loss_modes), as the server's config reads them.
-    @property
-    def is_topk(self) -> bool:
-        return is_topk(self.loss_mode)
-
-    @property
-    def is_hidden_state(self) -> bool:
-        return is_hidden_state(self.loss_mode)
-
-    @property
-    def is_sampled(self) -> bool:
-        return is_sampled(self.loss_mode)
 
     @property
     def coefficient(self) -> float:

@@ -15,8 +15,7 @@ from proctor.proto.loss_modes import (
     LOSS_MODES,
     LOSS_SETTINGS,
     VERL_IGNORED_LOSS_KEYS,
-    is_hidden_state,
-    is_topk,
+    LossFamilies,
 )
 from proctor.server.settings import DEFAULTS
 
@@ -109,7 +108,7 @@ class TeacherModelConfig(ConfigBlock):
     inference: InferenceConfig = Field(default_factory=InferenceConfig)
 
 
-class DistillationLossConfig(ConfigBlock):
+class DistillationLossConfig(LossFamilies, ConfigBlock):
     """`distillation_loss`: the trainer's loss. The server reads the mode and its top-k (what the
     loss needs served); every other key of the schema (`proctor.proto.loss_modes`) is accepted
     as it is, for the trainer's side to read."""
@@ -118,14 +117,6 @@ class DistillationLossConfig(ConfigBlock):
 
     loss_mode: Literal[LOSS_MODES] = LOSS_SETTINGS["loss_mode"]  # type: ignore[valid-type]
     topk: int | None = Field(LOSS_SETTINGS["topk"], ge=1)
-
-    @property
-    def is_topk(self) -> bool:
-        return is_topk(self.loss_mode)
-
-    @property
-    def is_hidden_state(self) -> bool:
-        return is_hidden_state(self.loss_mode)
 
 
 class DistillationConfig(ConfigBlock):
