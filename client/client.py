@@ -30,7 +30,7 @@ from proctor.client.transports import (
     processor_kwargs_json,
     to_wire_media,
 )
-from proctor.proto import decode_tensor, dtype_name, scoring_pb2
+from proctor.proto import decode_tensor, dtype_name, encode_tensor, scoring_pb2
 from proctor.proto.routing_keys import UnroutableKey, key_table, route_key
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,8 @@ class TeacherScores:
     topk_ids: torch.Tensor | None = None  # int32 [R, K]
     topk_logprobs: torch.Tensor | None = None  # float32 [R, K]
     hidden_states: torch.Tensor | None = None  # [R, H], the teacher's dtype
+    # float32 [R, K]: the teacher's full-vocabulary log-probs at the request's score_ids (-inf at padding)
+    score_logprobs: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:
@@ -77,6 +79,7 @@ class TeacherInfo:
     dtype: str
     media: tuple[str, ...]
     replicas: tuple[tuple[str, str], ...] = ()  # (replica_id, state)
+    score_ids_method: str = ""  # how score_ids are scored; "" when not served
 
     @classmethod
     def from_wire(cls, info: scoring_pb2.TeacherInfo) -> TeacherInfo:
@@ -85,6 +88,7 @@ class TeacherInfo:
             hidden_size=info.hidden_size, max_model_len=info.max_model_len, max_topk=info.max_topk,
             outputs=tuple(info.outputs), keys=tuple(info.keys), engine=info.engine, dtype=dtype_name(info.dtype),
             media=tuple(info.media), replicas=tuple((r.replica_id, r.state) for r in info.replicas),
+            score_ids_method=info.score_ids_method,
         )
 
 
@@ -99,6 +103,7 @@ class ScoreInput:
     videos: Sequence[MediaLike] | None = None
     audios: Sequence[MediaLike] | None = None
     mm_processor_kwargs: Mapping[str, Any] | None = None
+    score_ids: ScoreIds | None = None
     options: dict[str, Any] = field(default_factory=dict)
 
 
@@ -112,7 +117,7 @@ def scores_from_response(response: scoring_pb2.ScoreResponse | scoring_pb2.Score
         request_id=response.request_id, teacher=response.teacher, model=response.model,
         num_tokens=response.num_tokens, first_row=response.first_row,
     )
-    for name in ("logprobs", "topk_ids", "topk_logprobs", "hidden_states"):
+    for name in ("logprobs", "topk_ids", "topk_logprobs", "hidden_states", "score_logprobs"):
         if response.HasField(name):
             setattr(scores, name, _owned(getattr(response, name)))
     return scores
@@ -125,6 +130,25 @@ def _token_list(token_ids: Sequence[int] | torch.Tensor) -> list[int]:
                              field="token_ids")
         return token_ids.tolist()
     return [int(t) for t in token_ids]
+
+
+# Token ids to score per row: int [R, K] (-1 pads) or R lists of ids (ragged rows are padded).
+ScoreIds = torch.Tensor | Sequence[Sequence[int]]
+
+
+def score_ids_tensor(score_ids: ScoreIds, first_row: int) -> scoring_pb2.Tensor:
+    """The wire form of score_ids: int32 [R, K], -1 padding, saying its first row."""
+    if isinstance(score_ids, torch.Tensor):
+        if score_ids.dim() != 2 or score_ids.is_floating_point():
+            raise make_error("INVALID_ARGUMENT", f"score_ids: must be an integer [rows, K] tensor, got "
+                             f"{score_ids.dtype} of shape {tuple(score_ids.shape)}", field="score_ids")
+        ids = score_ids.to(torch.int32)
+    else:
+        rows = [[int(t) for t in row] for row in score_ids]
+        ids = torch.full((len(rows), max((len(r) for r in rows), default=0)), -1, dtype=torch.int32)
+        for index, row in enumerate(rows):
+            ids[index, : len(row)] = torch.tensor(row, dtype=torch.int32)
+    return encode_tensor(ids.contiguous(), first_row=first_row)
 
 
 class TeacherClient:
@@ -230,8 +254,13 @@ class TeacherClient:
         audios: Iterable[MediaLike] | None = None,
         mm_processor_kwargs: Mapping[str, Any] | str | None = None,
         request_id: str | None = None,
+        score_ids: ScoreIds | None = None,
     ) -> scoring_pb2.ScoreRequest:
-        """The wire request for one sequence (the server validates ranges and sizes)."""
+        """The wire request for one sequence (the server validates ranges and sizes).
+
+        `score_ids`: ids to score for rows first_row..T-1 (first_row = prompt_length, else 1),
+        e.g. the student's top-k at the rollout (`proctor.client.batch.student_topk_ids`).
+        """
         request = scoring_pb2.ScoreRequest(
             request_id=request_id or uuid.uuid4().hex,
             teacher_key=teacher_key or "",
@@ -246,6 +275,8 @@ class TeacherClient:
         )
         if prompt_length is not None:
             request.prompt_length = int(prompt_length)
+        if score_ids is not None:
+            request.score_ids.CopyFrom(score_ids_tensor(score_ids, 1 if prompt_length is None else int(prompt_length)))
         return request
 
     async def score(
@@ -263,12 +294,17 @@ class TeacherClient:
         mm_processor_kwargs: Mapping[str, Any] | str | None = None,
         timeout: float | None = None,
         request_id: str | None = None,
+        score_ids: ScoreIds | None = None,
     ) -> TeacherScores:
-        """Score one sequence. Hidden states travel by ScoreStream on gRPC (no message limit)."""
+        """Score one sequence. Hidden states travel by ScoreStream on gRPC (no message limit).
+
+        With `score_ids` ([R, K] ids for rows first_row..T-1, -1 padding) the answer's
+        `score_logprobs` holds the teacher's full-vocabulary log-probs at those ids.
+        """
         request = self.build_request(
             token_ids, teacher_key=teacher_key, prompt_length=prompt_length, logprobs=logprobs, topk=topk,
             hidden_states=hidden_states, images=images, videos=videos, audios=audios,
-            mm_processor_kwargs=mm_processor_kwargs, request_id=request_id,
+            mm_processor_kwargs=mm_processor_kwargs, request_id=request_id, score_ids=score_ids,
         )
         if hidden_states:
             return await self._stream_request(request, timeout)
@@ -309,7 +345,8 @@ class TeacherClient:
         async def one(item):
             if isinstance(item, ScoreInput):
                 args = {**common, **item.options}
-                for name in ("teacher_key", "prompt_length", "images", "videos", "audios", "mm_processor_kwargs"):
+                for name in ("teacher_key", "prompt_length", "images", "videos", "audios", "mm_processor_kwargs",
+                             "score_ids"):
                     if getattr(item, name) is not None:
                         args[name] = getattr(item, name)
                 return await self.score(item.token_ids, **args)

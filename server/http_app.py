@@ -14,6 +14,7 @@ import contextlib
 import json
 from typing import Any
 
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from google.protobuf.message import DecodeError
@@ -47,6 +48,7 @@ _JSON_FIELDS = {
     "videos": list,
     "audios": list,
     "mm_processor_kwargs": (dict, str),
+    "score_ids": list,
 }
 
 
@@ -112,6 +114,26 @@ def _token_ids(ids: list | None) -> list[int]:
     return ids
 
 
+# Padded score_ids a JSON body may expand to (ragged rows are padded to the longest): bounds the
+# allocation before validation, which then holds K to the teacher's max_topk.
+_MAX_SCORE_ID_CELLS = 1 << 24
+
+
+def _score_ids(rows: list) -> scoring_pb2.Tensor:
+    """score_ids as R lists of ids (ragged allowed) -> int32 [R, K] with -1 padding, the wire form."""
+    if not all(isinstance(row, list) for row in rows):
+        raise invalid("score_ids", "must be a list of rows, each a list of token ids")
+    width = max((len(row) for row in rows), default=0)
+    if len(rows) * width > _MAX_SCORE_ID_CELLS:
+        raise invalid("score_ids", f"{len(rows)} rows of up to {width} ids are too many")
+    if any(isinstance(t, bool) or not isinstance(t, int) or t not in _INT32 for row in rows for t in row):
+        raise invalid("score_ids", "must hold integer token ids in the int32 range")
+    ids = np.full((len(rows), width), -1, dtype="<i4")
+    for index, row in enumerate(rows):
+        ids[index, : len(row)] = row
+    return scoring_pb2.Tensor(dtype=scoring_pb2.INT32, shape=[len(rows), width], data=ids.tobytes())
+
+
 def _processor_kwargs(kwargs: dict | str) -> str:
     """mm_processor_kwargs as the JSON text the wire carries; a string is checked here with
     the same bounds as the body, so that hostile text never reaches the service's parser."""
@@ -147,6 +169,8 @@ def request_from_json(body: Any) -> scoring_pb2.ScoreRequest:
     kwargs = body.get("mm_processor_kwargs")
     if kwargs:
         request.mm_processor_kwargs = _processor_kwargs(kwargs)
+    if body.get("score_ids") is not None:
+        request.score_ids.CopyFrom(_score_ids(body["score_ids"]))
     return request
 
 
@@ -196,6 +220,7 @@ _SCORE_BODY = {
                 "logprobs": {"type": "boolean"},
                 "topk": {"type": "integer"},
                 "hidden_states": {"type": "boolean"},
+                "score_ids": {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}},
                 "request_id": {"type": "string"},
             }, "required": ["token_ids"]}},
             PROTOBUF_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}},

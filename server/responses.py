@@ -41,6 +41,8 @@ def _small_outputs(scored: Scored) -> dict:
     if result.topk_ids is not None:
         out["topk_ids"] = encode_tensor(_as(result.topk_ids, torch.int32), first_row=first)
         out["topk_logprobs"] = encode_tensor(_as(result.topk_logprobs, torch.float32), first_row=first)
+    if result.score_logprobs is not None:
+        out["score_logprobs"] = encode_tensor(_as(result.score_logprobs, torch.float32), first_row=first)
     return out
 
 
@@ -68,6 +70,12 @@ def _rows_with_nulls(values: torch.Tensor, first_row: int, num_tokens: int) -> l
     return [None] * first_row + values.tolist() + [None] * (num_tokens - first_row - values.shape[0])
 
 
+def _finite_or_null(values: torch.Tensor) -> list:
+    """[R, K] rows as lists with null for -inf (padded score_ids): JSON has no infinity."""
+    rows = values.float().tolist()
+    return [[v if v != float("-inf") else None for v in row] for row in rows]
+
+
 def _json(scored: Scored) -> dict:
     result, first, total = scored.result, scored.result.first_row, scored.num_tokens
     body: dict = {**_header(scored)}
@@ -76,6 +84,9 @@ def _json(scored: Scored) -> dict:
     if result.topk_ids is not None:
         body["topk_ids"] = _rows_with_nulls(result.topk_ids, first, total)
         body["topk_logprobs"] = _rows_with_nulls(result.topk_logprobs.float(), first, total)
+    if result.score_logprobs is not None:
+        rows = _finite_or_null(result.score_logprobs)
+        body["score_logprobs"] = [None] * first + rows + [None] * (total - first - len(rows))
     if result.hidden_states is not None:
         wire = encode_tensor(result.hidden_states, first_row=first)
         body["hidden_states"] = {

@@ -210,6 +210,7 @@ class ScoringService:
                     dtype=wire_dtype(info.dtype),
                     keys=list(teacher.keys),
                     media=list(info.media),
+                    score_ids_method=info.score_ids_method,
                 )
             )
         return infos

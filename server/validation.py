@@ -36,7 +36,8 @@ class ValidRequest:
 def request_mode(request: scoring_pb2.ScoreRequest) -> str:
     """A metrics label naming what was asked for, e.g. "logprobs+topk"."""
     parts = [name for name, on in (("logprobs", request.logprobs), ("topk", request.topk > 0),
-                                   ("hidden_states", request.hidden_states)) if on]
+                                   ("hidden_states", request.hidden_states),
+                                   ("score_ids", request.HasField("score_ids"))) if on]
     return "+".join(parts) or "none"
 
 
@@ -47,6 +48,7 @@ def validate(teacher: ReplicaSet, request: scoring_pb2.ScoreRequest, *, max_answ
     ids = _token_ids(request, info, teacher.name)
     first_row = _first_row(request, len(ids))
     _check_outputs(request, info, teacher.name)
+    score_ids = _score_ids(request, info, teacher.name, first_row, len(ids))
     if max_answer_bytes is not None and request.hidden_states:
         size = (len(ids) - first_row) * info.hidden_size * 4
         if size > max_answer_bytes:
@@ -61,6 +63,7 @@ def validate(teacher: ReplicaSet, request: scoring_pb2.ScoreRequest, *, max_answ
         topk=request.topk,
         hidden_states=request.hidden_states,
         media=media if media else None,
+        score_ids=score_ids,
     )
     return ValidRequest(teacher, engine_request, request_mode(request))
 
@@ -115,10 +118,46 @@ def _check_outputs(request: scoring_pb2.ScoreRequest, info: EngineInfo, teacher:
         raise invalid("topk", f"is {request.topk}; teacher {teacher!r} serves at most {info.max_topk}")
     if request.topk > info.vocab_size:
         raise invalid("topk", f"is {request.topk}; the vocabulary has {info.vocab_size} tokens")
-    if not (request.logprobs or request.topk or request.hidden_states):
-        raise invalid("logprobs", "nothing asked for: set logprobs, topk > 0 or hidden_states")
+    if not (request.logprobs or request.topk or request.hidden_states or request.HasField("score_ids")):
+        raise invalid("logprobs", "nothing asked for: set logprobs, topk > 0, hidden_states or score_ids")
     if request.hidden_states and "hidden_states" not in info.outputs:
         raise invalid("hidden_states", f"teacher {teacher!r} does not serve hidden states")
+
+
+def _score_ids(
+    request: scoring_pb2.ScoreRequest, info: EngineInfo, teacher: str, first_row: int, count: int
+) -> torch.Tensor | None:
+    """The request's score_ids as int64 [R, K] (-1 padding), every row, id and size checked here:
+    an engine never sees an id it could index out of range."""
+    if not request.HasField("score_ids"):
+        return None
+    wire = request.score_ids
+    if "score_ids" not in info.outputs:
+        raise invalid("score_ids", f"teacher {teacher!r} ({info.engine} engine) does not serve score_ids")
+    if wire.dtype != scoring_pb2.INT32:
+        name = scoring_pb2.DType.Name(wire.dtype) if wire.dtype in scoring_pb2.DType.values() else str(wire.dtype)
+        raise invalid("score_ids", f"must be an INT32 tensor, got {name}")
+    rows = count - first_row
+    shape = list(wire.shape)
+    if len(shape) != 2:
+        raise invalid("score_ids", f"must be 2-D [rows, K], got shape {shape}")
+    if shape[0] != rows:
+        raise invalid("score_ids", f"has {shape[0]} rows; rows {first_row}..{count - 1} are {rows}")
+    k = shape[1]
+    if not 1 <= k <= info.max_topk:
+        raise invalid("score_ids", f"has K = {k} ids per row; teacher {teacher!r} scores 1 to {info.max_topk}")
+    if wire.first_row not in (0, first_row):
+        raise invalid("score_ids", f"says first_row {wire.first_row}, but the response starts at row {first_row}")
+    if len(wire.data) != rows * k * 4:
+        raise invalid("score_ids", f"has {len(wire.data)} bytes of data for shape {shape} (int32: {rows * k * 4})")
+    ids = np.frombuffer(wire.data, dtype="<i4").reshape(rows, k)
+    low, high = int(ids.min()), int(ids.max())
+    if low < -1 or high >= info.vocab_size:
+        bad = low if low < -1 else high
+        row, col = (int(x) for x in np.argwhere(ids == bad)[0])
+        raise invalid("score_ids", f"id {bad} at row {first_row + row}, column {col} is outside "
+                      f"[0, {info.vocab_size}) (-1 pads a row)")
+    return torch.from_numpy(ids.astype(np.int64))
 
 
 def _media_inputs(request: scoring_pb2.ScoreRequest, info: EngineInfo, teacher: str) -> MultiModalInputs:

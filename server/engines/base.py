@@ -65,6 +65,9 @@ class EngineRequest:
     topk: int
     hidden_states: bool
     media: MultiModalInputs | None = None
+    # Token ids to score per row (rows first_row..T-1), int64 [R, K], -1 for padding: the
+    # student's top-k, say, which the teacher's own top-k misses.
+    score_ids: torch.Tensor | None = None
     # Unique per validated request (request_id is the caller's and may repeat): what
     # `TeacherEngine.abort` names.
     key: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -87,6 +90,7 @@ class EngineResult:
     topk_ids: torch.Tensor | None = None  # int32 [R, K]
     topk_logprobs: torch.Tensor | None = None  # float32 [R, K]
     hidden_states: torch.Tensor | None = None  # [R, H], engine dtype
+    score_logprobs: torch.Tensor | None = None  # float32 [R, K], -inf at padded score_ids
     # Set by the batcher: time spent waiting for a batch, and the batch's engine time.
     queue_seconds: float = 0.0
     engine_seconds: float = 0.0
@@ -109,6 +113,8 @@ class EngineInfo:
     # Longest sequence the engine scores. vLLM needs one slot beyond the prompt for the output
     # token of its `max_tokens=1` prefill, so there it is max_model_len - 1; None: max_model_len.
     max_tokens: int | None = None
+    # How score_ids are scored ("" when "score_ids" is not among the outputs); see TeacherInfo.
+    score_ids_method: str = ""
 
     @property
     def max_sequence_tokens(self) -> int:

@@ -92,6 +92,8 @@ class TorchEngine(TeacherEngine):
             max_model_len=max_len,
             max_topk=self.spec.max_topk,
             dtype=str(dtype).removeprefix("torch."),
+            outputs=(*EngineInfo.outputs, "score_ids"),
+            score_ids_method="log_softmax",
         )
         log.info("torch engine loaded %s on %s (%s)", path, device, dtype)
 
@@ -164,16 +166,20 @@ class TorchEngine(TeacherEngine):
 
     @staticmethod
     def _head_outputs(model, batch: list[EngineRequest], states: list[torch.Tensor], results: list[EngineResult]) -> None:
-        """Log-probs and top-k for every request of the batch from one lm_head pass over all
-        their rows (in row chunks): a few large kernels instead of a few small ones per request."""
-        wanted = [i for i, r in enumerate(batch) if r.logprobs or r.topk]
+        """Log-probs, top-k and score_ids for every request of the batch from one lm_head pass
+        over all their rows (in row chunks): a few large kernels instead of a few small ones per
+        request. score_ids are read from the same full log-softmax, so they are exact."""
+        wanted = [i for i, r in enumerate(batch) if r.logprobs or r.topk or r.score_ids is not None]
         if not wanted:
             return
         rows = torch.cat([states[i] for i in wanted])
         targets = torch.cat([batch[i].token_ids[batch[i].first_row :] for i in wanted]).to(rows.device)
         kmax = max(batch[i].topk for i in wanted)
+        score_ids = _padded_score_ids([batch[i] for i in wanted])
+        if score_ids is not None:
+            score_ids = score_ids.to(rows.device)
         head = model.get_output_embeddings()
-        logprob_parts, value_parts, id_parts = [], [], []
+        logprob_parts, value_parts, id_parts, score_parts = [], [], [], []
         for lo in range(0, rows.shape[0], _LOGIT_ROWS):
             logp = torch.log_softmax(head(rows[lo : lo + _LOGIT_ROWS]).float(), dim=-1)
             logprob_parts.append(logp.gather(1, targets[lo : lo + _LOGIT_ROWS, None]).squeeze(1))
@@ -181,14 +187,36 @@ class TorchEngine(TeacherEngine):
                 values, indices = torch.topk(logp, kmax, dim=-1)  # sorted: a request's top-k is a prefix
                 value_parts.append(values)
                 id_parts.append(indices.to(torch.int32))
+            if score_ids is not None:
+                chunk = score_ids[lo : lo + _LOGIT_ROWS]
+                picked = logp.gather(1, chunk.clamp_min(0))
+                score_parts.append(picked.masked_fill_(chunk < 0, float("-inf")))
         sizes = [states[i].shape[0] for i in wanted]
         logprobs = torch.cat(logprob_parts).cpu().split(sizes)
         values = torch.cat(value_parts).cpu().split(sizes) if kmax else [None] * len(wanted)
         ids = torch.cat(id_parts).cpu().split(sizes) if kmax else [None] * len(wanted)
-        for index, lp, top_values, top_ids in zip(wanted, logprobs, values, ids, strict=True):
+        scored = torch.cat(score_parts).cpu().split(sizes) if score_parts else [None] * len(wanted)
+        for index, lp, top_values, top_ids, at_ids in zip(wanted, logprobs, values, ids, scored, strict=True):
             request, result = batch[index], results[index]
             if request.logprobs:
                 result.logprobs = lp.clone()
             if request.topk:
                 result.topk_logprobs = top_values[:, : request.topk].contiguous()
                 result.topk_ids = top_ids[:, : request.topk].contiguous()
+            if request.score_ids is not None:
+                result.score_logprobs = at_ids[:, : request.score_ids.shape[1]].contiguous()
+
+
+def _padded_score_ids(batch: list[EngineRequest]) -> torch.Tensor | None:
+    """The batch's score_ids rows stacked in row order, padded with -1 to the widest K (a request
+    without score_ids gets all -1 rows), so that one gather per row chunk serves every request."""
+    widths = [r.score_ids.shape[1] for r in batch if r.score_ids is not None]
+    if not widths:
+        return None
+    out = torch.full((sum(r.num_rows for r in batch), max(widths)), -1, dtype=torch.long)
+    row = 0
+    for request in batch:
+        if request.score_ids is not None:
+            out[row : row + request.num_rows, : request.score_ids.shape[1]] = request.score_ids
+        row += request.num_rows
+    return out
