@@ -33,7 +33,7 @@ from proctor.server.auth import TokenAuth
 from proctor.server.bounded_json import loads_bounded
 from proctor.server.errors import Code, ScoringError, invalid
 from proctor.server.responses import Responses
-from proctor.server.service import Scored, ScoringService
+from proctor.server.service import ScoredRequest, ScoringService
 from proctor.server.settings import ServerOptions
 
 _JSON_FIELDS = {
@@ -292,7 +292,7 @@ def create_app(
 
     async def score_unless_disconnected(
         request: Request, message: scoring_pb2.ScoreRequest, *, unary: bool
-    ) -> Scored | None:
+    ) -> ScoredRequest | None:
         """Score, but withdraw the request (None) if the client goes away first."""
         task = asyncio.ensure_future(service.score(message, timeout=_timeout(request), unary=unary))
         watcher = asyncio.ensure_future(_until_disconnected(request))

@@ -15,10 +15,10 @@ import torch
 
 from proctor.proto import dtype_name, encode_tensor, iter_row_chunks, scoring_pb2
 from proctor.server.metrics import MetricsSink
-from proctor.server.service import Scored
+from proctor.server.service import ScoredRequest
 
 
-def _header(scored: Scored) -> dict:
+def _header(scored: ScoredRequest) -> dict:
     return {
         "request_id": scored.request_id,
         "teacher": scored.teacher,
@@ -33,7 +33,7 @@ def _as(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return tensor if tensor.dtype == dtype else tensor.to(dtype)
 
 
-def _small_outputs(scored: Scored) -> dict:
+def _small_outputs(scored: ScoredRequest) -> dict:
     result, first = scored.result, scored.result.first_row
     out = {}
     if result.logprobs is not None:
@@ -46,14 +46,14 @@ def _small_outputs(scored: Scored) -> dict:
     return out
 
 
-def _response(scored: Scored) -> scoring_pb2.ScoreResponse:
+def _response(scored: ScoredRequest) -> scoring_pb2.ScoreResponse:
     response = scoring_pb2.ScoreResponse(**_header(scored), **_small_outputs(scored))
     if scored.result.hidden_states is not None:
         response.hidden_states.CopyFrom(encode_tensor(scored.result.hidden_states, first_row=scored.result.first_row))
     return response
 
 
-def _chunks(scored: Scored, *, chunk_bytes: int) -> Iterator[scoring_pb2.ScoreChunk]:
+def _chunks(scored: ScoredRequest, *, chunk_bytes: int) -> Iterator[scoring_pb2.ScoreChunk]:
     """Header and small outputs first, then hidden states in chunks of whole rows."""
     header = _header(scored)
     hidden = scored.result.hidden_states
@@ -76,7 +76,7 @@ def _finite_or_null(values: torch.Tensor) -> list:
     return [[v if v != float("-inf") else None for v in row] for row in rows]
 
 
-def _json(scored: Scored) -> dict:
+def _json(scored: ScoredRequest) -> dict:
     result, first, total = scored.result, scored.result.first_row, scored.num_tokens
     body: dict = {**_header(scored)}
     if result.logprobs is not None:
@@ -114,25 +114,25 @@ class Responses:
         self.metrics = metrics
         self.chunk_bytes = chunk_bytes
 
-    def message(self, scored: Scored) -> scoring_pb2.ScoreResponse:
+    def message(self, scored: ScoredRequest) -> scoring_pb2.ScoreResponse:
         """The unary ScoreResponse (gRPC serialises it)."""
         response = _response(scored)
         self.metrics.response_sent(scored.teacher, scored.mode, response.ByteSize())
         return response
 
-    def protobuf(self, scored: Scored) -> bytes:
+    def protobuf(self, scored: ScoredRequest) -> bytes:
         """The unary ScoreResponse, serialised (HTTP's protobuf answer)."""
         payload = _response(scored).SerializeToString()
         self.metrics.response_sent(scored.teacher, scored.mode, len(payload))
         return payload
 
-    def json(self, scored: Scored) -> bytes:
+    def json(self, scored: ScoredRequest) -> bytes:
         """The JSON answer: all T rows, null where a row has no value."""
         payload = json.dumps(_json(scored), separators=(",", ":")).encode()
         self.metrics.response_sent(scored.teacher, scored.mode, len(payload))
         return payload
 
-    def chunks(self, scored: Scored) -> Iterator[scoring_pb2.ScoreChunk]:
+    def chunks(self, scored: ScoredRequest) -> Iterator[scoring_pb2.ScoreChunk]:
         """The streamed answer: header and small outputs, then hidden states in whole rows."""
         for chunk in _chunks(scored, chunk_bytes=self.chunk_bytes):
             self.metrics.response_sent(scored.teacher, scored.mode, chunk.ByteSize())

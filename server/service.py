@@ -4,7 +4,7 @@ gRPC and HTTP are thin shells over this class: both hand it a `ScoreRequest` mes
 turn its `ScoringError`s into their own status codes; `responses` builds their answers. The
 request path touches each piece once: transport → `Router.route` → `validation.validate` →
 media decoded off the loop → admission → `ReplicaSet.score` (replica, batcher, engine) →
-`Scored` → `responses` (encoding and byte count) → transport. Admission is a bounded per-teacher
+`ScoredRequest` → `responses` (encoding and byte count) → transport. Admission is a bounded per-teacher
 budget of requests and tokens: past it a request is refused at once with a retry hint
 (never an unbounded wait), so an overloaded teacher pushes back on its trainers instead of
 piling up memory.
@@ -51,7 +51,7 @@ class Limits:
 
 
 @dataclass
-class Scored:
+class ScoredRequest:
     """One answered request, ready for `responses` to encode."""
 
     request_id: str
@@ -135,7 +135,7 @@ class ScoringService:
 
     async def score(
         self, request: scoring_pb2.ScoreRequest, *, timeout: float | None = None, unary: bool = True
-    ) -> Scored:
+    ) -> ScoredRequest:
         """Score one request end to end; raises ScoringError with the contract's codes.
 
         `unary`: the answer goes in one message, so hidden states must fit `limits.max_answer_bytes`
@@ -167,7 +167,7 @@ class ScoringService:
             raise ScoringError(Code.INTERNAL, f"scoring failed: {exc}") from exc
         self.metrics.request_scored(teacher_name, mode, tokens, latency=time.monotonic() - started,
                                     queue=result.queue_seconds, engine=result.engine_seconds)
-        return Scored(valid.request.request_id, teacher_name, valid.teacher.info.model, tokens, result, mode)
+        return ScoredRequest(valid.request.request_id, teacher_name, valid.teacher.info.model, tokens, result, mode)
 
     async def _score_admitted(
         self, teacher: ReplicaSet, request: EngineRequest, timeout: float | None

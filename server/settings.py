@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 
 from proctor.server.service import Limits
 
-# Paths of the HTTP port that need no bearer token: probes and scrapers.
-OPEN_PATHS = ("/health/live", "/health/ready", "/metrics")
+# Paths of the HTTP port that need no bearer token: probes and scrapers (`/health` is vLLM's
+# readiness probe, which clients written for `vllm serve` call without a token, as vLLM allows).
+OPEN_PATHS = ("/health", "/health/live", "/health/ready", "/metrics")
 
 
 @dataclass

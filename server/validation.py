@@ -10,6 +10,7 @@ Each check raises `invalid(field, ...)`: INVALID_ARGUMENT naming the field.
 from __future__ import annotations
 
 import asyncio
+import math
 import uuid
 from dataclasses import dataclass, replace
 
@@ -62,6 +63,7 @@ def validate(teacher: ReplicaSet, request: scoring_pb2.ScoreRequest, *, max_answ
         logprobs=request.logprobs,
         topk=request.topk,
         hidden_states=request.hidden_states,
+        temperature=_temperature(request, info, teacher.name),
         media=media if media else None,
         score_ids=score_ids,
     )
@@ -158,6 +160,20 @@ def _score_ids(
         raise invalid("score_ids", f"id {bad} at row {first_row + row}, column {col} is outside "
                       f"[0, {info.vocab_size}) (-1 pads a row)")
     return torch.from_numpy(ids.astype(np.int64))
+
+
+def _temperature(request: scoring_pb2.ScoreRequest, info: EngineInfo, teacher: str) -> float:
+    """The request's temperature (1 when unset). T != 1 is refused by an engine that cannot divide
+    the logits before the log-softmax: a silently unscaled answer would look right and train wrong."""
+    if not request.HasField("temperature"):
+        return 1.0
+    value = request.temperature
+    if not math.isfinite(value) or value <= 0:
+        raise invalid("temperature", f"is {value}; it must be a finite number > 0")
+    if value != 1.0 and not info.temperature:
+        raise invalid("temperature", f"is {value}; teacher {teacher!r} ({info.engine} engine) scores at "
+                      "temperature 1 only (its log-probs come from the raw logits)")
+    return float(value)
 
 
 def _media_inputs(request: scoring_pb2.ScoreRequest, info: EngineInfo, teacher: str) -> MultiModalInputs:

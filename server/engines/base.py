@@ -71,6 +71,8 @@ class EngineRequest:
     # Unique per validated request (request_id is the caller's and may repeat): what
     # `TeacherEngine.abort` names.
     key: str = field(default_factory=lambda: uuid.uuid4().hex)
+    # Divides the logits before the log-softmax (log-probs and top-k; hidden states unchanged).
+    temperature: float = 1.0
 
     @property
     def num_tokens(self) -> int:
@@ -90,6 +92,9 @@ class EngineResult:
     topk_ids: torch.Tensor | None = None  # int32 [R, K]
     topk_logprobs: torch.Tensor | None = None  # float32 [R, K]
     hidden_states: torch.Tensor | None = None  # [R, H], engine dtype
+    # The actual token's rank in its row's distribution (1: the most likely), int64 [R], from
+    # engines that know it, beside logprobs: what vLLM-shaped answers report as `rank`.
+    ranks: torch.Tensor | None = None
     score_logprobs: torch.Tensor | None = None  # float32 [R, K], -inf at padded score_ids
     # Set by the batcher: time spent waiting for a batch, and the batch's engine time.
     queue_seconds: float = 0.0
@@ -110,6 +115,8 @@ class EngineInfo:
     dtype: str
     outputs: tuple[str, ...] = ("logprobs", "topk", "hidden_states", "unembedding")
     media: tuple[str, ...] = ()
+    # Whether the engine applies a request's temperature (T != 1 is refused where it does not).
+    temperature: bool = False
     # Longest sequence the engine scores. vLLM needs one slot beyond the prompt for the output
     # token of its `max_tokens=1` prefill, so there it is max_model_len - 1; None: max_model_len.
     max_tokens: int | None = None

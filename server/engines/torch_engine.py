@@ -52,6 +52,14 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def _row_temperatures(batch: list[EngineRequest], device: torch.device) -> torch.Tensor | None:
+    """Each row's temperature, in the row order of the batch's lm_head pass (float32 [rows]);
+    None when every request is at T = 1, so the common case pays no division."""
+    if all(r.temperature == 1.0 for r in batch):
+        return None
+    return torch.cat([torch.full((r.num_rows,), r.temperature, dtype=torch.float32) for r in batch]).to(device)
+
+
 class TorchEngine(TeacherEngine):
     """A transformers model in this process; one forward pass per batch, on a worker thread."""
 
@@ -91,6 +99,7 @@ class TorchEngine(TeacherEngine):
             hidden_size=int(model.get_output_embeddings().weight.shape[1]),
             max_model_len=max_len,
             max_topk=self.spec.max_topk,
+            temperature=True,
             dtype=str(dtype).removeprefix("torch."),
             outputs=(*EngineInfo.outputs, "score_ids"),
             score_ids_method="log_softmax",
@@ -179,10 +188,17 @@ class TorchEngine(TeacherEngine):
         if score_ids is not None:
             score_ids = score_ids.to(rows.device)
         head = model.get_output_embeddings()
+        rank_parts: list[torch.Tensor] = []
         logprob_parts, value_parts, id_parts, score_parts = [], [], [], []
+        temperatures = _row_temperatures([batch[i] for i in wanted], rows.device)
         for lo in range(0, rows.shape[0], _LOGIT_ROWS):
-            logp = torch.log_softmax(head(rows[lo : lo + _LOGIT_ROWS]).float(), dim=-1)
-            logprob_parts.append(logp.gather(1, targets[lo : lo + _LOGIT_ROWS, None]).squeeze(1))
+            logits = head(rows[lo : lo + _LOGIT_ROWS]).float()
+            if temperatures is not None:  # T scales the logits before the log-softmax
+                logits = logits / temperatures[lo : lo + _LOGIT_ROWS, None]
+            logp = torch.log_softmax(logits, dim=-1)
+            actual = logp.gather(1, targets[lo : lo + _LOGIT_ROWS, None])
+            logprob_parts.append(actual.squeeze(1))
+            rank_parts.append((logp > actual).sum(dim=1) + 1)  # 1 + the tokens strictly more likely
             if kmax:
                 values, indices = torch.topk(logp, kmax, dim=-1)  # sorted: a request's top-k is a prefix
                 value_parts.append(values)
@@ -193,6 +209,7 @@ class TorchEngine(TeacherEngine):
                 score_parts.append(picked.masked_fill_(chunk < 0, float("-inf")))
         sizes = [states[i].shape[0] for i in wanted]
         logprobs = torch.cat(logprob_parts).cpu().split(sizes)
+        ranks_by_request = dict(zip(wanted, torch.cat(rank_parts).cpu().split(sizes), strict=True))
         values = torch.cat(value_parts).cpu().split(sizes) if kmax else [None] * len(wanted)
         ids = torch.cat(id_parts).cpu().split(sizes) if kmax else [None] * len(wanted)
         scored = torch.cat(score_parts).cpu().split(sizes) if score_parts else [None] * len(wanted)
@@ -200,6 +217,7 @@ class TorchEngine(TeacherEngine):
             request, result = batch[index], results[index]
             if request.logprobs:
                 result.logprobs = lp.clone()
+                result.ranks = ranks_by_request[index].clone()
             if request.topk:
                 result.topk_logprobs = top_values[:, : request.topk].contiguous()
                 result.topk_ids = top_ids[:, : request.topk].contiguous()

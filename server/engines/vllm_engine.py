@@ -62,7 +62,7 @@ import torch
 from proctor.server.engines.base import EngineError, EngineRequest, EngineResult
 from proctor.server.engines.checkpoint import check_cpu_head_dim, model_facts
 from proctor.server.engines.checks import check_vllm_settings
-from proctor.server.engines.prompt_logprobs import extract_rows, hidden_rows
+from proctor.server.engines.prompt_logprobs import actual_ranks, extract_rows, hidden_rows
 from proctor.server.engines.vllm_args import (
     engine_args_from_settings,
     engine_request_id,
@@ -224,6 +224,8 @@ class VllmEngine(VllmFamilyEngine):
             final.prompt_logprobs, request.token_ids, request.first_row, request.topk, logprobs=request.logprobs
         )
         result.logprobs, result.topk_ids, result.topk_logprobs = lp, ids, vals
+        if request.logprobs:
+            result.ranks = actual_ranks(final.prompt_logprobs, request.token_ids, request.first_row)
 
     async def _hidden(self, request: EngineRequest, result: EngineResult) -> None:
         from vllm import TokensPrompt

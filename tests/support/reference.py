@@ -44,15 +44,18 @@ class ReferenceRows:
         return indices, values
 
 
-def reference_rows(model_dir: Path | str, token_ids: Sequence[int], first_row: int = 1) -> ReferenceRows:
-    """The reference teacher's rows first_row..T-1 for `token_ids`."""
+def reference_rows(
+    model_dir: Path | str, token_ids: Sequence[int], first_row: int = 1, *, temperature: float = 1.0
+) -> ReferenceRows:
+    """The reference teacher's rows first_row..T-1 for `token_ids` (the logits divided by
+    `temperature` before the log-softmax, as a scoring request's temperature asks)."""
     model = reference_model(model_dir)
     ids = torch.tensor([list(token_ids)])
     with torch.inference_mode():
         hidden = model.get_decoder()(input_ids=ids).last_hidden_state[0]
         logits = model.get_output_embeddings()(hidden)
     positions = slice(first_row - 1, -1)  # position i-1 predicts token i
-    distributions = torch.log_softmax(logits[positions].double(), dim=-1)
+    distributions = torch.log_softmax(logits[positions].double() / temperature, dim=-1)
     targets = ids[0, first_row:]
     return ReferenceRows(
         first_row=first_row,
