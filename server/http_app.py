@@ -32,6 +32,7 @@ from proctor.proto.wire import (
 from proctor.server.auth import TokenAuth
 from proctor.server.bounded_json import loads_bounded
 from proctor.server.errors import Code, ScoringError, invalid
+from proctor.server.openai_compat import mount_openai_compat
 from proctor.server.responses import Responses
 from proctor.server.service import ScoredRequest, ScoringService
 from proctor.server.settings import ServerOptions
@@ -48,6 +49,7 @@ _JSON_FIELDS = {
     "videos": list,
     "audios": list,
     "mm_processor_kwargs": (dict, str),
+    "temperature": (int, float),
     "score_ids": list,
 }
 
@@ -169,6 +171,10 @@ def request_from_json(body: Any) -> scoring_pb2.ScoreRequest:
     kwargs = body.get("mm_processor_kwargs")
     if kwargs:
         request.mm_processor_kwargs = _processor_kwargs(kwargs)
+    if body.get("temperature") is not None:
+        if isinstance(body["temperature"], bool):
+            raise invalid("temperature", "must be a number, got bool")
+        request.temperature = float(body["temperature"])
     if body.get("score_ids") is not None:
         request.score_ids.CopyFrom(_score_ids(body["score_ids"]))
     return request
@@ -378,4 +384,7 @@ def create_app(
 
         return Response(service.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    # vLLM's scoring surface (/health, /v1/models, /v1/completions) over the same service.
+    mount_openai_compat(app, service, responses, max_body_bytes=max_body_bytes,
+                        score=score_unless_disconnected, read_body=read_body)
     return app
