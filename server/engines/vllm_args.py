@@ -46,7 +46,7 @@ SETTING_TO_ENGINE_ARG = {
 }
 
 # proctor's own keys in `engine_kwargs.<engine>` (never passed to vLLM).
-PROCTOR_ENGINE_KEYS = frozenset({"hidden_states_gpu_memory_utilization"})
+PROCTOR_ENGINE_KEYS = frozenset({"hidden_states_gpu_memory_utilization", "score_ids_method"})
 
 
 def engine_kwargs_of(spec: EngineSpec, engine: str) -> dict[str, Any]:

