@@ -12,7 +12,10 @@ from __future__ import annotations
 SAMPLED_MODES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 TOPK_MODES = ("forward_kl_topk", "topk_reverse_kl", "topk_jsd")
 HIDDEN_STATE_MODES = ("nitrobrew", "nitrobrew_reverse_kl", "full_jsd")
-LOSS_MODES = SAMPLED_MODES + TOPK_MODES + HIDDEN_STATE_MODES
+# Losses on the student's top-k support: the trainer sends the ids (score_ids), the server must
+# serve the teacher's log-probs at them (score_logprobs).
+STUDENT_TOPK_MODES = ("student_topk_reverse_kl",)
+LOSS_MODES = SAMPLED_MODES + TOPK_MODES + HIDDEN_STATE_MODES + STUDENT_TOPK_MODES
 
 # verl's `distillation.yaml` defaults for the loss block (what a verl run actually gets; its
 # dataclass defaults differ). The client's loss settings and the server's config both read
@@ -33,6 +36,7 @@ LOSS_SETTINGS = {
     **VERL_LOSS_DEFAULTS,
     "kd_temperature": 1.0,  # verl-omni
     "jsd_beta": 0.5,  # proctor: the generalised JSD's mixture weight
+    "student_topk_form": "exact",  # proctor: student_topk_reverse_kl as "exact" or "renormalised"
     "loss_agg_mode": "token-mean",  # proctor: verl's loss_agg_mode names
     "chunk_tokens": None,  # proctor: full-vocabulary chunking
     "chunk_vocab": None,
@@ -57,6 +61,11 @@ def is_hidden_state(mode: str) -> bool:
     return mode in HIDDEN_STATE_MODES
 
 
+def is_student_topk(mode: str) -> bool:
+    """The mode needs the teacher's log-probs at the student's top-k ids (the server serves score_ids)."""
+    return mode in STUDENT_TOPK_MODES
+
+
 def is_sampled(mode: str) -> bool:
     """The mode needs only the teacher's log-probs of the sampled tokens."""
     return mode in SAMPLED_MODES
@@ -78,3 +87,7 @@ class LossFamilies:
     @property
     def is_sampled(self) -> bool:
         return is_sampled(self.loss_mode)
+
+    @property
+    def is_student_topk(self) -> bool:
+        return is_student_topk(self.loss_mode)

@@ -148,3 +148,27 @@ def topk_of(teacher_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.T
     log_q = torch.log_softmax(teacher_logits.to(F64), -1)
     vals, ids = log_q.topk(k, dim=-1)
     return ids, vals
+
+
+def student_topk_ref(
+    student_logits: torch.Tensor, ids: torch.Tensor, teacher: torch.Tensor, form: str, temperature: float = 1.0
+) -> torch.Tensor:
+    """Reverse KL on each row's support ``ids`` (-1 pads), row by row in float64.
+
+    ``exact``: ``Σ_k p_S(k) (log p_S(k) - t_k)`` with the student's full softmax at ``T``;
+    ``renormalised``: ``KL(q_S‖q_T)``, both renormalised over the support, both at ``T``.
+    """
+    log_p = torch.log_softmax(student_logits.to(F64) / temperature, dim=-1)
+    rows = []
+    for r in range(ids.shape[0]):
+        keep = ids[r] >= 0
+        support, t = ids[r][keep].long(), teacher[r][keep].to(F64)
+        if support.numel() == 0:
+            rows.append(log_p.new_zeros(()) * log_p[r].sum())
+            continue
+        s = log_p[r][support]
+        if form == "exact":
+            rows.append((s.exp() * (s - t)).sum())
+        else:
+            rows.append(_kl(torch.log_softmax(s, -1), torch.log_softmax(t / temperature, -1)))
+    return torch.stack(rows)

@@ -7,7 +7,7 @@ the student's nor the teacher's ``[N, V]`` logits are ever materialised when
 both sides are given as hidden states and unembeddings.
 
 Families: ``sampled_kl`` (single-sample estimators), ``topk_kl`` (teacher's
-top-k), ``full_vocab_kl`` (exact, from teacher hidden states), plus the
+top-k), ``student_topk_reverse_kl`` (the reverse KL on the student's top-k), ``full_vocab_kl`` (exact, from teacher hidden states), plus the
 verl-compatible ``distillation_loss`` entry point. The vocabulary-wide losses
 have reduced forms (``full_vocab_kl_reduced``, ``topk_kl_reduced``) that take the
 aggregation's per-token weights (``aggregate_weights``) up front and form the
@@ -25,6 +25,7 @@ from .metrics import loss_metrics
 from .reduced import Reduced
 from .sampled import SAMPLED_MODES, sampled_kl
 from .settings import LossSettings
+from .student_topk import student_topk_masses, student_topk_reverse_kl
 from .topk import topk_kl, topk_kl_reduced, topk_masses
 from .work import MatmulWork, matmul_flops
 
@@ -47,6 +48,8 @@ __all__ = [
     "loss_metrics",
     "matmul_flops",
     "sampled_kl",
+    "student_topk_masses",
+    "student_topk_reverse_kl",
     "topk_kl",
     "topk_kl_reduced",
     "topk_masses",

@@ -16,7 +16,8 @@ It reproduces verl 0.9.1's ``distillation_loss`` where verl defines it:
 
 It adds verl-omni's hidden-state modes (``nitrobrew``, ``nitrobrew_reverse_kl``,
 with ``kd_temperature``), proctor's ``full_jsd`` / ``topk_reverse_kl`` /
-``topk_jsd``, and LoongSage-style mixing: ``pg_ratio`` scales the advantage
+``topk_jsd`` and ``student_topk_reverse_kl`` (the reverse KL on the student's top-k, with the
+teacher's log-probs served at those ids; ``student_topk_form`` exact or renormalised), and LoongSage-style mixing: ``pg_ratio`` scales the advantage
 penalty, ``gkd_ratio`` = λ mixes ``(1 - λ)·L_RL + λ·L_GKD``.
 """
 
@@ -33,6 +34,7 @@ from .metrics import loss_metrics
 from .reduced import Reduced, Transform
 from .sampled import sampled_kl
 from .settings import LossSettings
+from .student_topk import student_topk_masses, student_topk_reverse_kl
 from .topk import topk_kl, topk_kl_reduced, topk_masses
 
 
@@ -91,6 +93,13 @@ def _loss_call(
             raise ValueError(f"loss_mode={s.loss_mode!r} needs student_logprobs and teacher_logprobs")
         return sampled_kl(inputs["student_logprobs"], inputs["teacher_logprobs"], s.loss_mode)
     reduced = {} if weights is None else {"weights": weights, "transform": transform}
+    if s.is_student_topk:
+        ids, lps = inputs.get("student_topk_ids"), inputs.get("teacher_score_logprobs")
+        if ids is None or lps is None:
+            raise ValueError(f"loss_mode={s.loss_mode!r} needs student_topk_ids and teacher_score_logprobs "
+                             "(score the student's top-k with TeacherClient.score(score_ids=...))")
+        return student_topk_reverse_kl(ids, lps, **student, form=s.student_topk_form, temperature=s.kd_temperature,
+                                       chunk_tokens=s.chunk_tokens)
     if s.is_topk:
         ids, lps = inputs.get("teacher_topk_ids"), inputs.get("teacher_topk_logprobs")
         if ids is None or lps is None:
@@ -169,12 +178,16 @@ def distillation_loss(
     student_hidden: torch.Tensor | None = None,
     student_weight: torch.Tensor | None = None,
     student_logits: torch.Tensor | None = None,
+    student_topk_ids: torch.Tensor | None = None,
+    teacher_score_logprobs: torch.Tensor | None = None,
     **agg_kwargs: Any,
 ) -> DistillationOutput:
     """Compute the distillation term of a training step as verl would.
 
     ``config``: verl's ``distillation_loss`` block (or the ``distillation``
     block), as a dict or an object. ``mask``: valid response tokens ``[N]``.
+    ``student_topk_ids`` / ``teacher_score_logprobs`` ``[N, K]``: the student's support and the
+    teacher's log-probs at it (``student_topk_reverse_kl``).
     ``agg_kwargs`` go to ``aggregate`` (``dp_size``, ``batch_num_tokens``,
     ``global_batch_size``, ``loss_scale_factor``).
     """
@@ -184,6 +197,7 @@ def distillation_loss(
         teacher_topk_ids=teacher_topk_ids, teacher_topk_logprobs=teacher_topk_logprobs,
         teacher_hidden=teacher_hidden, teacher_weight=teacher_weight, teacher_index=teacher_index,
         student_hidden=student_hidden, student_weight=student_weight, student_logits=student_logits,
+        student_topk_ids=student_topk_ids, teacher_score_logprobs=teacher_score_logprobs,
     )
     weights = _reduction_weights(s, inputs, mask, seq_index, agg_kwargs)
     reduced = None
@@ -199,6 +213,11 @@ def distillation_loss(
             teacher_topk_ids, teacher_topk_logprobs, student_hidden=student_hidden,
             student_weight=student_weight, student_logits=student_logits, chunk_tokens=s.chunk_tokens,
             temperature=1.0 if s.loss_mode == "forward_kl_topk" else s.kd_temperature,
+        )
+    if s.is_student_topk:  # the masses on the student's support
+        student_mass, teacher_mass = student_topk_masses(
+            student_topk_ids, teacher_score_logprobs, student_hidden=student_hidden, student_weight=student_weight,
+            student_logits=student_logits, temperature=s.kd_temperature, chunk_tokens=s.chunk_tokens,
         )
     metrics = loss_metrics(per_token, mask, student_mass=student_mass, teacher_mass=teacher_mass)
     if s.is_sampled:

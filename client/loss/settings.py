@@ -38,6 +38,7 @@ class LossSettings(LossFamilies):
     kd_temperature: float = LOSS_SETTINGS["kd_temperature"]
     # proctor
     jsd_beta: float = LOSS_SETTINGS["jsd_beta"]
+    student_topk_form: str = LOSS_SETTINGS["student_topk_form"]
     loss_agg_mode: str = LOSS_SETTINGS["loss_agg_mode"]
     chunk_tokens: int | None = LOSS_SETTINGS["chunk_tokens"]
     chunk_vocab: int | None = LOSS_SETTINGS["chunk_vocab"]
@@ -72,12 +73,16 @@ class LossSettings(LossFamilies):
                 "as a supervised loss so the whole-vocabulary signal reaches the student. "
                 "Set distillation.distillation_loss.use_policy_gradient=false."
             )
-        if self.is_topk and (not isinstance(self.topk, int) or isinstance(self.topk, bool) or self.topk <= 0):
+        if (self.is_topk or self.is_student_topk) and (
+            not isinstance(self.topk, int) or isinstance(self.topk, bool) or self.topk <= 0
+        ):
             raise ValueError(f"topk must be a positive int for loss_mode={self.loss_mode!r}, got {self.topk!r}")
         if self.loss_max_clamp is not None and not float(self.loss_max_clamp) > 0:
             raise ValueError(f"loss_max_clamp must be positive or null, got {self.loss_max_clamp}")
         if not float(self.kd_temperature) > 0:
             raise ValueError(f"kd_temperature must be positive, got {self.kd_temperature}")
+        if self.student_topk_form not in ("exact", "renormalised"):
+            raise ValueError(f"student_topk_form must be 'exact' or 'renormalised', got {self.student_topk_form!r}")
         if not 0.0 <= float(self.jsd_beta) <= 1.0:
             raise ValueError(f"jsd_beta must lie in [0, 1], got {self.jsd_beta}")
         if self.gkd_ratio is not None and not 0.0 <= float(self.gkd_ratio) <= 1.0:

@@ -110,7 +110,8 @@ def _engine_problems(
     if inf.max_model_len is not None:
         calls.append(lambda: checks.check_max_model_len(inf.max_model_len, *lengths))
     if engine in ("vllm", "vllm_omni"):
-        topk = loss.topk if loss.is_topk and loss.topk else 0
+        # The student's top-k travels as score_ids, held to the same max_logprobs as a top-k.
+        topk = loss.topk if (loss.is_topk or loss.is_student_topk) and loss.topk else 0
         calls.append(lambda: checks.check_max_logprobs(max_topk, topk, engine=engine))
         # vLLM-Omni serves hidden states from its one AR engine; vLLM from a pooling engine that
         # always runs without chunked prefill and with whole sequences, whatever is set.
@@ -136,7 +137,8 @@ def serves_hidden_states(engine: str, inference: InferenceConfig, loss: Distilla
     loss needs them."""
     if inference.hidden_states is not None:
         return inference.hidden_states
-    return engine != "vllm_omni" or loss.is_hidden_state
+    # vLLM-Omni scores score_ids (the student top-k modes) from its hidden states.
+    return engine != "vllm_omni" or loss.is_hidden_state or loss.is_student_topk
 
 
 def _engine_name(inference: InferenceConfig, device_kind: str) -> str:
