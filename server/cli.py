@@ -181,7 +181,7 @@ def check_config(config: Path = typer.Argument(..., help="YAML config to check."
 @app.command()
 def demo(
     steps: int = typer.Option(30, help="Training steps."),
-    loss: str = typer.Option("full_forward_kl", help="k1 | k3 | forward_kl_topk | full_forward_kl | full_reverse_kl | full_jsd"),
+    loss: str = typer.Option("full_forward_kl", help="k1 | k3 | forward_kl_topk | full_forward_kl | full_reverse_kl | full_jsd | student_topk_reverse_kl"),
     transport: str = typer.Option("grpc", help="grpc | http"),
     out: Path = typer.Option(Path("out"), help="Folder for the loss plot and log."),
     seed: int = typer.Option(0),

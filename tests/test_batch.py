@@ -7,7 +7,12 @@ import pytest
 import torch
 
 from proctor.client import TeacherScores
-from proctor.client.batch import hidden_states_batch
+from proctor.client.batch import (
+    hidden_states_batch,
+    packed_score_logprobs,
+    score_ids_from_rollout,
+    student_topk_ids,
+)
 from proctor.trainer_adapter.verl import pad_verl_rows, verl_hidden_rows, verl_rows, verl_teacher_batch
 
 PAD = 7
@@ -129,3 +134,28 @@ def test_verl_hidden_rows_follow_verls_shift():
     assert rows.shape == (7, 6)
     assert torch.equal(rows[2:6], scores.hidden_states)  # position i predicts token i + 1
     assert not rows[:2].any() and not rows[6].any()
+
+
+def test_score_ids_from_the_students_logits_and_from_a_rollout_engines_top_logprobs():
+    logits = torch.tensor([[0.1, 3.0, -1.0, 2.0], [5.0, 0.0, 1.0, -2.0]])
+    assert student_topk_ids(logits, 2).tolist() == [[1, 3], [0, 2]]
+    assert student_topk_ids(logits, 2).dtype == torch.int32
+    with pytest.raises(ValueError, match="k must be"):
+        student_topk_ids(logits, 5)
+
+    class Logprob:  # vLLM's per-token entry: the sampled token first, then ranks 1..k
+        def __init__(self, rank):
+            self.rank = rank
+
+    per_token = [{9: Logprob(3), 4: Logprob(1), 7: Logprob(2)}, {5: Logprob(1)}, [8, 2]]
+    assert score_ids_from_rollout(per_token).tolist() == [[4, 7, 9], [5, -1, -1], [8, 2, -1]]
+    assert score_ids_from_rollout(per_token, k=2).tolist() == [[4, 7], [5, -1], [8, 2]]
+
+
+def test_packed_score_logprobs_pad_narrower_sequences_with_minus_inf():
+    a = TeacherScores("a", "t", "m", 4, 2, score_logprobs=torch.tensor([[-1.0, -2.0], [-3.0, -4.0]]))
+    b = TeacherScores("b", "t", "m", 3, 2, score_logprobs=torch.tensor([[-5.0]]))
+    packed = packed_score_logprobs([a, b])
+    assert packed.tolist() == [[-1.0, -2.0], [-3.0, -4.0], [-5.0, float("-inf")]]
+    with pytest.raises(ValueError, match="score_ids"):
+        packed_score_logprobs([TeacherScores("c", "t", "m", 3, 2)])

@@ -32,6 +32,14 @@ def test_full_forward_kl_demo_halves_the_loss_and_writes_a_plot(tmp_path):
     assert "through HTTP: max |gRPC - HTTP| = 0.00e+00" in printed  # the quickstart part
 
 
+def test_student_topk_reverse_kl_demo_scores_the_students_support_and_the_loss_falls(tmp_path):
+    result = CliRunner().invoke(app, ["demo", "--steps", "8", "--loss", "student_topk_reverse_kl", "--out",
+                                      str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    losses = [entry["loss"] for entry in json.loads((tmp_path / "loss_student_topk_reverse_kl.json").read_text())]
+    assert len(losses) == 8 and losses[-1] < 0.5 * losses[0], losses
+
+
 def test_demo_refuses_unknown_options(tmp_path, capsys):
     targets = {"grpc": "grpc://127.0.0.1:1", "http": "http://127.0.0.1:1"}  # never reached
     assert run_demo(targets, tmp_path, steps=2, loss="mse_logits", out=tmp_path) == 2

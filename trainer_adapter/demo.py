@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from proctor.client import TeacherClient
-from proctor.client.batch import hidden_states_batch
+from proctor.client.batch import hidden_states_batch, packed_score_logprobs, student_topk_ids
 from proctor.client.loss import distillation_loss
 from proctor.trainer_adapter.plot import plot_losses
 from proctor.trainer_adapter.rollout import RolloutSample, RolloutScorer, ScoredSample
@@ -41,6 +41,7 @@ LOSSES = {
     "full_forward_kl": "nitrobrew",
     "full_reverse_kl": "nitrobrew_reverse_kl",
     "full_jsd": "full_jsd",
+    "student_topk_reverse_kl": "student_topk_reverse_kl",
 }
 TRANSPORTS = ("grpc", "http")
 PROMPTS = [
@@ -109,6 +110,19 @@ class _Progress:
             self._bar.close()
 
 
+def _student_topk(student, rollouts, k: int) -> list[torch.Tensor]:
+    """The student's top-k per response row of each rollout (what it put its mass on), the
+    score_ids that `student_topk_reverse_kl` needs the teacher to score."""
+    with torch.no_grad():
+        weight = student.get_output_embeddings().weight
+        out = []
+        for rollout in rollouts:
+            ids = [*rollout.prompt_ids, *rollout.response_ids]
+            hidden, _ = response_hidden(student, [(ids, len(rollout.prompt_ids))])
+            out.append(student_topk_ids(hidden @ weight.T, k))
+        return out
+
+
 async def _rollout_and_score(student, prompts, scorer: RolloutScorer, settings: DemoSettings, step: int,
                              pad_token_id: int) -> tuple[list[ScoredSample], float, float]:
     """Sample in `groups` batches on a worker thread; each finished batch is scored while the
@@ -121,9 +135,11 @@ async def _rollout_and_score(student, prompts, scorer: RolloutScorer, settings: 
         for g, group in enumerate(groups):
             rollouts = await asyncio.to_thread(sample_responses, student, group, length=settings.response_length,
                                                pad_token_id=pad_token_id, seed=settings.seed * 100_003 + step * 97 + g)
+            supports = (_student_topk(student, rollouts, settings.topk) if settings.loss == "student_topk_reverse_kl"
+                        else [None] * len(rollouts))
             first_submit.append(time.monotonic())
-            for rollout in rollouts:
-                yield RolloutSample(rollout.prompt_ids, rollout.response_ids)
+            for rollout, support in zip(rollouts, supports, strict=True):
+                yield RolloutSample(rollout.prompt_ids, rollout.response_ids, score_ids=support)
 
     results = [scored async for scored in scorer.scored(finished_rollouts())]
     ended = time.monotonic()
@@ -141,6 +157,10 @@ def _loss_inputs(mode: str, results: list[ScoredSample], student, teacher_weight
         teacher = torch.cat([s.scores.logprobs for s in results])
         return {"student_logprobs": student_logprobs, "teacher_logprobs": teacher}
     inputs = {"student_hidden": hidden, "student_weight": weight}
+    if mode == "student_topk_reverse_kl":  # the student's support, scored by the teacher
+        inputs["student_topk_ids"] = torch.cat([s.sample.score_ids for s in results])
+        inputs["teacher_score_logprobs"] = packed_score_logprobs([s.scores for s in results])
+        return inputs
     if mode == "forward_kl_topk":
         inputs["teacher_topk_ids"] = torch.cat([s.scores.topk_ids for s in results]).long()
         inputs["teacher_topk_logprobs"] = torch.cat([s.scores.topk_logprobs for s in results])

@@ -38,6 +38,8 @@ class RolloutSample:
     videos: Sequence[MediaLike] | None = None
     audios: Sequence[MediaLike] | None = None
     mm_processor_kwargs: Mapping[str, Any] | None = None
+    # Ids to score per response row (e.g. the student's top-k, `proctor.client.batch.student_topk_ids`).
+    score_ids: Any = None
 
     @property
     def token_ids(self) -> list[int]:
@@ -140,6 +142,7 @@ class RolloutScorer:
             prompt_length=sample.prompt_length if self.response_rows_only and sample.prompt_length > 0 else None,
             images=sample.images, videos=sample.videos, audios=sample.audios,
             mm_processor_kwargs=sample.mm_processor_kwargs,
+            **({"score_ids": sample.score_ids} if sample.score_ids is not None else {}),
             **self.options,
         )
         self.scored_tokens += scores.num_tokens

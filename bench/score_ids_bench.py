@@ -1,0 +1,106 @@
+"""score_ids K=64 (the teacher at the student's top-64) vs the teacher's own top-64, per engine.
+
+One run, side by side, N sequences of L tokens (default 32 x 512, prompt_length L/2) through an
+in-process `ScoringService` over a small local teacher (as `engine_bench.py`): teacher time
+(best of `--repeat`) and bytes a scored token costs on the wire, request and answer apart
+(score_ids travel in the request, 4 bytes an id; top-k answers ids and log-probs, 8 bytes a pair).
+
+    .venv/bin/python bench/score_ids_bench.py [--quick] [--engines torch,vllm]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from engine_bench import make_teacher
+
+K = 64
+
+
+async def bench(name: str, model: Path, args, seqs: list[list[int]], vocab: int) -> dict[str, tuple[float, float, float]]:
+    from proctor.proto import encode_tensor, scoring_pb2
+    from proctor.server.config import single_teacher_router
+    from proctor.server.engines import EngineSpec
+    from proctor.server.responses import Responses
+    from proctor.server.service import ScoringService
+
+    inference = {"max_model_len": max(2048, args.length + 1), "max_num_batched_tokens": 16384}
+    if name == "vllm":
+        inference["gpu_memory_utilization"] = args.gpu_memory_utilization
+    spec = EngineSpec(name=name, model_path=str(model), device=args.device, dtype="float32", max_topk=K,
+                      inference=inference)
+    service = ScoringService(single_teacher_router(spec, name="bench"))
+    await service.start()
+    answers = Responses(service.metrics)
+    print(f"  {name}: score_ids by {service.teacher_infos()[0].score_ids_method}", file=sys.stderr, flush=True)
+    generator = torch.Generator().manual_seed(0)
+
+    def requests(mode: str) -> list[scoring_pb2.ScoreRequest]:
+        out = []
+        for i, ids in enumerate(seqs):
+            first = len(ids) // 2
+            request = scoring_pb2.ScoreRequest(request_id=str(i), token_ids=ids, prompt_length=first, logprobs=False)
+            if mode == "topk":
+                request.topk = K
+            else:  # a stand-in for the student's top-64: any K distinct-enough ids per row
+                support = torch.randint(0, vocab, (len(ids) - first, K), generator=generator, dtype=torch.int32)
+                request.score_ids.CopyFrom(encode_tensor(support, first_row=first))
+            out.append(request)
+        return out
+
+    results = {}
+    try:
+        for mode in ("topk", "score_ids"):
+            batch = requests(mode)
+            await asyncio.gather(*(service.score(r) for r in batch[:4]))  # warm-up (vLLM: the pooling engine)
+            best, scored = float("inf"), []
+            for _ in range(args.repeat):
+                t0 = time.perf_counter()
+                scored = await asyncio.gather(*(service.score(r) for r in batch))
+                best = min(best, time.perf_counter() - t0)
+            rows = sum(len(ids) - len(ids) // 2 for ids in seqs)
+            sent = sum(r.score_ids.ByteSize() for r in batch if r.HasField("score_ids")) / rows  # beyond the ids
+            answered = sum(answers.message(s).ByteSize() for s in scored) / rows
+            results[mode] = (best, sent, answered)
+            print(f"  {name} {mode}: {best:.2f}s, {sent:.0f} + {answered:.0f} B/token", file=sys.stderr, flush=True)
+    finally:
+        await service.stop()
+    return results
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engines", default="torch,vllm")
+    parser.add_argument("--seqs", type=int, default=32)
+    parser.add_argument("--length", type=int, default=512)
+    parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.1)
+    parser.add_argument("--quick", action="store_true", help="16 x 128 tokens, the tiny teacher, one repeat")
+    args = parser.parse_args()
+    if args.quick:
+        args.seqs, args.length, args.repeat = min(args.seqs, 16), min(args.length, 128), 1
+    with tempfile.TemporaryDirectory() as tmp:
+        model = make_teacher(Path(tmp) / "teacher", args.quick)
+        import json
+
+        vocab = json.loads((model / "config.json").read_text()).get("vocab_size", 512)
+        rng = random.Random(0)
+        seqs = [[rng.randrange(3, vocab) for _ in range(args.length)] for _ in range(args.seqs)]
+        results = {name: await bench(name, model, args, seqs, vocab) for name in args.engines.split(",")}
+    print(f"\n{args.seqs} x {args.length} tokens, K = {K} ({args.device}): teacher seconds, bytes a token sent + answered")
+    for name, r in results.items():
+        (t_top, s_top, a_top), (t_ids, s_ids, a_ids) = r["topk"], r["score_ids"]
+        print(f"{name:<6} top-{K}: {t_top:.2f}s {s_top:.0f}+{a_top:.0f} B   score_ids: {t_ids:.2f}s "
+              f"{s_ids:.0f}+{a_ids:.0f} B   time ratio score_ids/top-{K} = {t_ids / t_top:.2f}x")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
