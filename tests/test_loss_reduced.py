@@ -25,7 +25,7 @@ from proctor.client.loss import (
     topk_kl_reduced,
 )
 from proctor.client.loss import divergences as divergences_module
-from proctor.client.loss.chunking import for_device
+from proctor.client.loss.chunking import REDUCED_ROW_ELEMENTS, Chunking, DenseSource, FusedSource, for_device
 from proctor.client.loss.divergences import full_rows, full_rows_sliced, make_divergence
 from proctor.client.loss.full_vocab import _make_rows_function, _rows_function
 
@@ -149,6 +149,51 @@ def test_cache_sliced_eager_rows_equal_unsliced(monkeypatch):
         got, want = _both_paths(*_full(case, direction), case, _mask("scattered"), "token-mean")
         for x, y in zip(got, want, strict=True):
             assert rel_err(x, y) <= TIGHT
+
+
+def test_tiles_fill_a_reused_row_major_buffer():
+    # The reduced path writes every token chunk's whole-vocabulary rows into one buffer per side.
+    case = make_case(n=N, h=H, v=V, seed=17, dtype=F64, scale=2.0)
+    buf = torch.full((CT, V), float("nan"), dtype=F64)
+    for src in (FusedSource(case.student_hidden, case.student_weight, 1 / 1.5, dtype=F64),
+                DenseSource(case.student_logits64, 1 / 1.5, dtype=F64)):
+        for t0, t1 in ((0, CT), (32, N)):  # a full chunk, then the short last one in the same buffer
+            block = src.rows(t0, t1)
+            fresh = block.tile(0, V)
+            got = block.tile(0, V, out=buf[: t1 - t0])
+            assert got.data_ptr() == buf.data_ptr() and got.is_contiguous() and fresh.is_contiguous()
+            assert rel_err(got, fresh) <= 1e-15
+
+
+def test_reduced_row_chunk_follows_the_vocabulary_not_the_token_count():
+    cpu = torch.device("cpu")
+    for n in (4096, 65536):
+        assert Chunking.resolve_rows(n, 32768, None, None, cpu).chunk_tokens == REDUCED_ROW_ELEMENTS // 32768
+    assert Chunking.resolve_rows(100, 32768, None, None, cpu).chunk_tokens == 100
+
+
+def test_eager_tile_math_runs_on_one_thread_and_restores_the_count(monkeypatch):
+    seen = []
+    real = divergences_module.full_rows
+
+    def recording(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(divergences_module, "full_rows", recording)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        div = make_divergence("jsd", 0.3, None)
+        g = torch.Generator().manual_seed(18)
+        a, b = (torch.randn(5, 53, generator=g, dtype=F64) for _ in range(2))
+        full_rows_sliced(div, a, b, True)
+        assert seen == [1] and torch.get_num_threads() == 2
+        with pytest.raises(RuntimeError):
+            full_rows_sliced(div, a, b[:3], True)  # mismatched rows fail inside: the count comes back
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_student_logits_form_and_multi_teacher():

@@ -57,14 +57,12 @@ def _student_source(
     logits: torch.Tensor | None,
     spec: _Spec,
     needs_grad: tuple[bool, bool, bool] = (False, False, False),
-    wide_product: bool = False,
 ) -> FusedSource | DenseSource:
     if logits is not None:
         return DenseSource(logits, spec.inv_tau, grad_logits=needs_grad[2], dtype=spec.dtype)
     assert hidden is not None and weight is not None
     return FusedSource(
         hidden, weight, spec.inv_tau, grad_hidden=needs_grad[0], grad_weight=needs_grad[1], dtype=spec.dtype,
-        wide_product=wide_product,
     )
 
 
@@ -202,6 +200,13 @@ def _rows_function(div: Divergence, device: torch.device) -> Callable:
     return selected
 
 
+def _row_buffers(spec: _Spec, num_tokens: int, vocab: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The student's and the teacher's ``[chunk_tokens, V]`` row buffers, reused by every token chunk."""
+    rows = min(spec.chunking.chunk_tokens, max(num_tokens, 1))
+    return (torch.empty(rows, vocab, dtype=spec.dtype, device=dev),
+            torch.empty(rows, vocab, dtype=spec.dtype, device=dev))
+
+
 class _ReducedFullVocabFunction(torch.autograd.Function):
     """``Σ_i w_i transform(ℓ_i)`` with the student gradients formed in the forward pass.
 
@@ -215,19 +220,23 @@ class _ReducedFullVocabFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, s_hidden, s_weight, s_logits, t_hidden, t_weight, weights, spec: _Spec, transform, want):
         needs = tuple(bool(x) and want for x in ctx.needs_input_grad[:3])
-        student = _student_source(s_hidden, s_weight, s_logits, spec, needs, wide_product=True)
-        teacher = FusedSource(t_hidden, t_weight, spec.inv_tau, dtype=spec.dtype, wide_product=True)
+        student = _student_source(s_hidden, s_weight, s_logits, spec, needs)
+        teacher = FusedSource(t_hidden, t_weight, spec.inv_tau, dtype=spec.dtype)
         n, vocab, dev = student.num_tokens, student.vocab, t_hidden.device
         w = weights.to(device=dev, dtype=spec.dtype)
         stats = [torch.empty(n, dtype=spec.dtype, device=dev) for _ in range(4)]
         values = torch.empty(n, dtype=spec.dtype, device=dev)
         rows_fn = _rows_function(spec.divergence, dev) if spec.chunking.single_vocab_chunk(vocab) else None
+        # Whole-vocabulary rows of both sides land in two buffers allocated once: a fresh
+        # [rows, V] pair per chunk would be fresh pages to fault in and zero every chunk.
+        bufs = _row_buffers(spec, n, vocab, dev) if rows_fn is not None else None
         for t0, t1 in spec.chunking.token_chunks(n):
             sb, tb, wc = student.rows(t0, t1), teacher.rows(t0, t1), w[t0:t1]
             grad_here = any(needs) and bool(wc.any())
             grad = None
-            if rows_fn is not None:
-                loss, ls, lt, aux, grad = rows_fn(sb.tile(0, vocab), tb.tile(0, vocab), grad_here)
+            if bufs is not None:
+                a = sb.tile(0, vocab, out=bufs[0][: t1 - t0])
+                loss, ls, lt, aux, grad = rows_fn(a, tb.tile(0, vocab, out=bufs[1][: t1 - t0]), grad_here)
             else:
                 loss, ls, lt, aux = _chunk_stats(sb, tb, t1 - t0, vocab, spec, dev)
             value, slope = transformed(loss, transform)
@@ -241,6 +250,7 @@ class _ReducedFullVocabFunction(torch.autograd.Function):
             for full, part in zip(stats, (loss, ls, lt, aux), strict=True):
                 full[t0:t1] = part
             values[t0:t1] = value
+        del bufs
         ctx.grads = _returned_grads(student, s_hidden, s_weight, s_logits)
         del student
         ctx.save_for_backward(s_hidden, s_weight, s_logits, t_hidden, t_weight, *stats)
