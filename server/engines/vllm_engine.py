@@ -3,7 +3,9 @@
 Scoring is a pure prefill: each sequence goes to the engine as `TokensPrompt` with
 `SamplingParams(max_tokens=1, prompt_logprobs=K, detokenize=False, flat_logprobs=True)`; vLLM
 returns, per position, the actual token's log-prob and the K best candidates, from the raw
-logits (`logprobs_mode=raw_logprobs`, so temperature never applies). The requests of a batch are
+logits (`logprobs_mode=raw_logprobs`; vLLM 0.32 computes prompt log-probs from the raw logits in
+every mode, so a request's temperature cannot apply: `describe()` says so and validation refuses
+T != 1 for this engine). The requests of a batch are
 submitted concurrently and vLLM's scheduler batches them continuously. Prompt logprobs skip the
 prefix cache (vLLM sets `skip_reading_prefix_cache` for them), so every row is computed.
 
@@ -262,6 +264,8 @@ class VllmEngine(VllmFamilyEngine):
             final.prompt_logprobs, request.token_ids, request.first_row, request.topk, logprobs=request.logprobs
         )
         result.logprobs, result.topk_ids, result.topk_logprobs = lp, ids, vals
+        if request.logprobs:
+            result.ranks = actual_ranks(final.prompt_logprobs, request.token_ids, request.first_row)
         if fixed:
             result.score_logprobs = fixed_token_rows(final, request)
         if request.logprobs:
