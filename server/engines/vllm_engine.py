@@ -264,8 +264,6 @@ class VllmEngine(VllmFamilyEngine):
             final.prompt_logprobs, request.token_ids, request.first_row, request.topk, logprobs=request.logprobs
         )
         result.logprobs, result.topk_ids, result.topk_logprobs = lp, ids, vals
-        if request.logprobs:
-            result.ranks = actual_ranks(final.prompt_logprobs, request.token_ids, request.first_row)
         if fixed:
             result.score_logprobs = fixed_token_rows(final, request)
         if request.logprobs:
