@@ -187,8 +187,12 @@ def test_eager_tile_math_runs_on_one_thread_and_restores_the_count(monkeypatch):
         div = make_divergence("jsd", 0.3, None)
         g = torch.Generator().manual_seed(18)
         a, b = (torch.randn(5, 53, generator=g, dtype=F64) for _ in range(2))
+        monkeypatch.setattr(divergences_module, "_load_average", lambda: 0.2)  # idle: every thread
+        full_rows_sliced(div, a.clone(), b.clone(), True)
+        assert seen == [2]
+        monkeypatch.setattr(divergences_module, "_load_average", lambda: 3.5)  # oversubscribed: one
         full_rows_sliced(div, a, b, True)
-        assert seen == [1] and torch.get_num_threads() == 2
+        assert seen == [2, 1] and torch.get_num_threads() == 2
         with pytest.raises(RuntimeError):
             full_rows_sliced(div, a, b[:3], True)  # mismatched rows fail inside: the count comes back
         assert torch.get_num_threads() == 2

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -51,6 +52,16 @@ class Divergence:
     ) -> torch.Tensor:
         """``dL/da`` on a tile; may overwrite ``log_p`` and ``log_q``."""
         raise NotImplementedError
+
+    def row_terms_and_grad(
+        self, log_p: torch.Tensor, log_q: torch.Tensor, want_grad: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(loss, aux, dL/da)`` of rows that span the whole vocabulary: the tile formulas in
+        order. A divergence whose loss and gradient share work overrides it to do that work once."""
+        loss, aux = self.tile_terms(log_p, log_q)
+        aux = self.finish_aux(loss, aux)
+        grad = self.tile_grad(log_p, log_q, loss, aux) if want_grad else None
+        return loss, aux, grad
 
 
 @dataclass(frozen=True)
@@ -126,6 +137,21 @@ class GeneralisedJSD(Divergence):
         r.sub_(aux[:, None]).mul_(torch.exp_(log_p))
         return r.mul_(1.0 - self.beta)
 
+    def row_terms_and_grad(self, log_p, log_q, want_grad):
+        """The same formulas as `tile_terms` then `tile_grad`, with the mixture log M and the
+        student's probabilities computed once for both (the loss and its gradient share them)."""
+        if not want_grad:
+            return super().row_terms_and_grad(log_p, log_q, want_grad)
+        log_m = self._log_m(log_p, log_q)
+        r = log_p - log_m  # log P - log M
+        p = torch.exp(log_p)
+        student = (r * p).sum(dim=1)
+        teacher = log_m.neg_().add_(log_q).mul_(torch.exp_(log_q)).sum(dim=1)
+        loss = self.beta * teacher + (1.0 - self.beta) * student
+        aux = self.finish_aux(loss, student)
+        grad = r.sub_(aux[:, None]).mul_(p).mul_(1.0 - self.beta)
+        return loss, aux, grad
+
 
 def make_divergence(direction: str, beta: float, clamp: float | None) -> Divergence:
     """Map the public ``direction``/``beta``/``clamp`` onto a divergence.
@@ -158,17 +184,15 @@ def full_rows(
     """``(loss, lse_a, lse_b, aux, dL/da)`` of rows whose tiles span the whole vocabulary.
 
     The tile function of the reduced losses: with the whole row at hand the normalisers come
-    first, then the same ``tile_terms`` / ``finish_aux`` / ``tile_grad`` the chunked passes use,
-    so the two paths share every formula. ``inplace`` lets the eager path reuse ``a`` and ``b``
+    first, then ``row_terms_and_grad`` (the same ``tile_terms`` / ``finish_aux`` / ``tile_grad``
+    the chunked passes use, fused where a divergence can share their work). ``inplace`` lets the eager path reuse ``a`` and ``b``
     (they become log p_S / log q_T, then the gradient); the compiled path passes False, because
     mutating a compiled function's inputs costs an extra copy.
     """
     ls, lt = row_logsumexp(a), row_logsumexp(b)
     log_p = a.sub_(ls[:, None]) if inplace else a - ls[:, None]
     log_q = b.sub_(lt[:, None]) if inplace else b - lt[:, None]
-    loss, aux = div.tile_terms(log_p, log_q)
-    aux = div.finish_aux(loss, aux)
-    grad = div.tile_grad(log_p, log_q, loss, aux) if want_grad else None
+    loss, aux, grad = div.row_terms_and_grad(log_p, log_q, want_grad)
     return loss, ls, lt, aux, grad
 
 
@@ -176,6 +200,13 @@ def full_rows(
 # temporaries a slice needs then stays in the last-level cache, where a [128, 32768] row block's
 # would stream through memory once per elementwise op (measured 3-5x slower on this CPU).
 CACHE_SLICE_ELEMENTS = 1 << 19
+
+
+def _load_average() -> float:
+    try:
+        return os.getloadavg()[0]
+    except OSError:  # not available on this platform: assume an idle machine
+        return 0.0
 
 
 @contextlib.contextmanager
@@ -187,11 +218,13 @@ def one_intraop_thread(device: torch.device) -> Iterator[None]:
     whichever thread was descheduled. Measured on 2 shared cores (load about 3) on a [256, 32768]
     block, forward KL: median 0.63 ms/row with two threads, worst 7.5, against 0.21 and 0.25 with
     one; the whole reduced loss (N=1024, reverse KL, runs interleaved) took 8.3 s median against
-    5.4 s. On an idle machine two threads run this part about 1.8x faster, but it is a tenth of
-    a chunk's time next to its four matmuls, which keep every thread.
+    5.4 s. On an idle machine two threads are faster (the whole reduced loss 3-7% at N=2048), so
+    the switch happens only when the CPU is oversubscribed: a 1-minute load average above what
+    this computation's own threads make (the thread count, plus one runnable beyond it). The
+    matmuls keep every thread either way.
     """
     threads = torch.get_num_threads()
-    if device.type != "cpu" or threads <= 1:
+    if device.type != "cpu" or threads <= 1 or _load_average() < threads + 1:
         yield
         return
     torch.set_num_threads(1)
