@@ -36,8 +36,8 @@ from .reduced import (
     Transform,
     add_grads,
     check_weights,
+    hand_over_grads,
     row_scale,
-    scale_grads,
     transformed,
     weighted_total,
 )
@@ -261,14 +261,9 @@ class _ReducedFullVocabFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_total, grad_per_token):
-        if ctx.grads is None:
-            raise RuntimeError("a reduced loss can be backpropagated once: its gradients were handed over")
-        # Hand the stored gradients over (no reference kept), so autograd can adopt them as .grad.
-        stored, ctx.grads = ctx.grads, None
-        grads = scale_grads(tuple(stored), grad_total)
-        del stored
+        grads, per_token_too = hand_over_grads(ctx, grad_total, grad_per_token)
         needs = ctx.needs_input_grad[:3]
-        if grad_per_token is not None and any(needs) and bool(grad_per_token.any()):
+        if per_token_too:
             s_hidden, s_weight, s_logits, t_hidden, t_weight, *stats = ctx.saved_tensors
             spec: _Spec = ctx.spec
             student = _student_source(s_hidden, s_weight, s_logits, spec, needs)

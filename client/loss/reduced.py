@@ -84,6 +84,20 @@ def scale_grads(grads: tuple[torch.Tensor | None, ...], grad_total: torch.Tensor
     return [None if g is None else (g if one else g * grad_total.to(g.dtype)) for g in grads]
 
 
+def hand_over_grads(ctx, grad_total: torch.Tensor | None, grad_per_token: torch.Tensor | None) -> tuple[list, bool]:
+    """The reduced backward's first step, the same for every reduced loss: the gradients stored
+    by the forward pass, scaled by ``grad_total`` and handed over (no reference kept, so autograd
+    adopts them as ``.grad`` without a copy); and whether the per-token output needs its own
+    backward too (it is differentiable, through the recomputing per-token path)."""
+    if ctx.grads is None:
+        raise RuntimeError("a reduced loss can be backpropagated once: its gradients were handed over")
+    stored, ctx.grads = ctx.grads, None
+    grads = scale_grads(tuple(stored), grad_total)
+    del stored
+    per_token = grad_per_token is not None and any(ctx.needs_input_grad[:3]) and bool(grad_per_token.any())
+    return grads, per_token
+
+
 def add_grads(a: list, b: list) -> list:
     """Elementwise sum of two gradient lists where either entry may be None."""
     return [y if x is None else (x if y is None else x + y) for x, y in zip(a, b, strict=True)]

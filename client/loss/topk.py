@@ -31,8 +31,8 @@ from .reduced import (
     Transform,
     add_grads,
     check_weights,
+    hand_over_grads,
     row_scale,
-    scale_grads,
     transformed,
     weighted_total,
 )
@@ -185,13 +185,9 @@ class _ReducedForwardTopK(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_total, grad_per_token):
-        if ctx.grads is None:
-            raise RuntimeError("a reduced loss can be backpropagated once: its gradients were handed over")
-        stored, ctx.grads = ctx.grads, None
-        grads = scale_grads(tuple(stored), grad_total)
-        del stored
+        grads, per_token_too = hand_over_grads(ctx, grad_total, grad_per_token)
         needs = ctx.needs_input_grad[:3]
-        if grad_per_token is not None and any(needs) and bool(grad_per_token.any()):
+        if per_token_too:
             # The per-token output is differentiable too: through the per-token path, recomputed.
             temperature, clamp, chunk_tokens = ctx.settings
             with torch.enable_grad():
