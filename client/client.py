@@ -255,11 +255,14 @@ class TeacherClient:
         mm_processor_kwargs: Mapping[str, Any] | str | None = None,
         request_id: str | None = None,
         score_ids: ScoreIds | None = None,
+        temperature: float | None = None,
     ) -> scoring_pb2.ScoreRequest:
         """The wire request for one sequence (the server validates ranges and sizes).
 
         `score_ids`: ids to score for rows first_row..T-1 (first_row = prompt_length, else 1),
         e.g. the student's top-k at the rollout (`proctor.client.batch.student_topk_ids`).
+        `temperature`: divides the teacher's logits before the log-softmax (None: 1; engines that
+        cannot apply it, vLLM's, refuse any other value with INVALID_ARGUMENT).
         """
         request = scoring_pb2.ScoreRequest(
             request_id=request_id or uuid.uuid4().hex,
@@ -277,6 +280,8 @@ class TeacherClient:
             request.prompt_length = int(prompt_length)
         if score_ids is not None:
             request.score_ids.CopyFrom(score_ids_tensor(score_ids, 1 if prompt_length is None else int(prompt_length)))
+        if temperature is not None:
+            request.temperature = float(temperature)
         return request
 
     async def score(
@@ -295,6 +300,7 @@ class TeacherClient:
         timeout: float | None = None,
         request_id: str | None = None,
         score_ids: ScoreIds | None = None,
+        temperature: float | None = None,
     ) -> TeacherScores:
         """Score one sequence. Hidden states travel by ScoreStream on gRPC (no message limit).
 
@@ -305,6 +311,7 @@ class TeacherClient:
             token_ids, teacher_key=teacher_key, prompt_length=prompt_length, logprobs=logprobs, topk=topk,
             hidden_states=hidden_states, images=images, videos=videos, audios=audios,
             mm_processor_kwargs=mm_processor_kwargs, request_id=request_id, score_ids=score_ids,
+            temperature=temperature,
         )
         if hidden_states:
             return await self._stream_request(request, timeout)

@@ -58,6 +58,22 @@ async def test_grpc_and_http_return_identical_tensors(torch_server):
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_temperature_divides_the_teachers_logits_before_the_log_softmax(torch_server, tiny_model_dir, transport):
+    ids = random_sequences(1, seed=4)[0] + [9, 10]
+    async with TeacherClient(target(torch_server, transport)) as client:
+        warm = await client.score(ids, topk=3, temperature=0.7)
+        plain = await client.score(ids, topk=3)
+    ref = reference_rows(tiny_model_dir, ids, temperature=0.7)
+    torch.testing.assert_close(warm.logprobs.double(), ref.logprobs, atol=1e-5, rtol=0)
+    torch.testing.assert_close(warm.topk_logprobs.double(), ref.topk(3)[1], atol=1e-5, rtol=0)
+    assert not torch.allclose(warm.logprobs, plain.logprobs)  # it really changed the answer
+    async with TeacherClient(target(torch_server, transport), retry=NO_RETRY) as client:
+        with pytest.raises(InvalidArgument) as err:
+            await client.score(ids, temperature=0.0)
+    assert err.value.field == "temperature"
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
 async def test_prompt_length_returns_only_response_rows(torch_server, tiny_model_dir, transport):
     ids = list(range(10, 30))
     async with TeacherClient(target(torch_server, transport)) as client:
