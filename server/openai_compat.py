@@ -1,5 +1,8 @@
 """The scoring subset of vLLM's OpenAI-compatible server, on proctor's HTTP port.
 
+(Its length, a little over 400 lines, is the three endpoints' request checks and vLLM's answer
+shape, which belong together: one module is the whole compatibility contract.)
+
 Trainers pick a teacher service by what they already speak: TRL's `VLLMClient` (its
 `get_sequence_logprobs`, behind the server-distillation trainers), the `openai` package and
 hand-written clients of `vllm serve` score token sequences with `GET /health`, `GET /v1/models`
