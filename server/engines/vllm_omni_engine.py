@@ -1,9 +1,9 @@
 """A multimodal teacher replica on vLLM-Omni's AR pipeline (`AsyncOmni`): log-probs, top-k and
+the Thinker's hidden states for prompts with images, audio and video.
 
 (A little over 400 lines: the engine class itself, whose start-up deadline, stage watcher, abort
 and score_ids paths each mirror a piece of vLLM-Omni's behaviour; its configuration and stage
 bookkeeping already live in `omni_config` and `omni_stages`.)
-the Thinker's hidden states for prompts with images, audio and video.
 
 Settings (`inference.engine_kwargs.vllm_omni`, as verl-omni writes them):
 - `output_mode: "ar"` (required): the teacher runs the autoregressive Thinker only; no Talker,
