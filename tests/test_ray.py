@@ -273,12 +273,29 @@ def vllm_ray_server(ray_cluster, tmp_path_factory, vllm_model_dir):
     server.stop()
 
 
-def _engine_core(engine) -> psutil.Process:
-    """The EngineCore process among the replica's actor's children."""
+def _engine_core(engine, timeout: float = 30.0) -> psutil.Process:
+    """The EngineCore process among the replica's actor's children.
+
+    vLLM renames its engine-core process (to VLLM::EngineCore) only once that process runs, so
+    right after a restart the child may still carry its interpreter's name: look until exactly
+    one child is named for the engine core, by its name or its command line.
+    """
     actor = psutil.Process(_in_actor(engine, lambda _: os.getpid()))
-    cores = [p for p in actor.children(recursive=True) if "EngineCore" in p.name()]
-    assert len(cores) == 1, [p.name() for p in actor.children(recursive=True)]
-    return cores[0]
+    deadline = time.monotonic() + timeout
+    while True:
+        cores, names = [], []
+        for child in actor.children(recursive=True):
+            try:
+                title = f"{child.name()} {' '.join(child.cmdline())}"
+            except psutil.Error:
+                continue
+            names.append(title)
+            if "EngineCore" in title:
+                cores.append(child)
+        if len(cores) == 1 or time.monotonic() > deadline:
+            assert len(cores) == 1, names
+            return cores[0]
+        time.sleep(0.2)
 
 
 def _gone(proc: psutil.Process) -> bool:
