@@ -149,12 +149,23 @@ def test_killed_engine_core_under_load_loses_nothing_computes_nothing_twice_and_
         with lock:
             answered.setdefault(response.request_id, []).append(response)
 
-    with concurrent.futures.ThreadPoolExecutor(96) as pool:
-        futures = [pool.submit(call, item) for item in work.items()]
-        wait_for(lambda: in_flight[0] >= 64, timeout=60, interval=0.005)
-        killed_with = in_flight[0]
-        os.kill(victim.pid, signal.SIGKILL)
-        errors = [f.exception() for f in futures]
+    survivor = cores["tiny-1"]
+    # The tiny teacher answers a request in milliseconds, so both EngineCores are held stopped
+    # (for well under the health probe's timeout) until at least 64 requests are surely in
+    # flight; then the survivor resumes and the victim is killed with all of them outstanding.
+    os.kill(victim.pid, signal.SIGSTOP)
+    os.kill(survivor.pid, signal.SIGSTOP)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(96) as pool:
+            futures = [pool.submit(call, item) for item in work.items()]
+            wait_for(lambda: in_flight[0] >= 64, timeout=5, interval=0.005)
+            killed_with = in_flight[0]
+            os.kill(victim.pid, signal.SIGKILL)
+            os.kill(survivor.pid, signal.SIGCONT)
+            errors = [f.exception() for f in futures]
+    finally:
+        if _alive(survivor):
+            os.kill(survivor.pid, signal.SIGCONT)
     assert killed_with >= 64
     assert errors == [None] * len(work)
     assert sorted(answered) == sorted(work) and all(len(v) == 1 for v in answered.values())
