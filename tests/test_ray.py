@@ -290,7 +290,9 @@ def _engine_core(engine, timeout: float = 30.0) -> psutil.Process:
             except psutil.Error:
                 continue
             names.append(title)
-            if "EngineCore" in title:
+            # The actor's one spawned child is its EngineCore (the other is multiprocessing's
+            # resource tracker), whether or not vLLM has renamed it yet.
+            if "EngineCore" in title or ("spawn_main" in title and "resource_tracker" not in title):
                 cores.append(child)
         if len(cores) == 1 or time.monotonic() > deadline:
             assert len(cores) == 1, names
