@@ -4,8 +4,8 @@ An engine scores a *batch* of requests at once. The service hands it whatever it
 batched; an engine with its own scheduler (vLLM) fans the batch out, the torch engine pads
 it into one forward pass. A batch is a list, not one request at a time, so that an engine can
 spot requests that share a prompt (the n responses of one GRPO group: equal token ids up to
-their `first_row`) and prefill that prompt once; no engine does that yet (vLLM's prefix cache
-does it on its own). Results follow the row convention of the wire contract: row i is about
+their `first_row`) and prefill that prompt once (`proctor.server.prompt_reuse`; the torch engine
+keeps the prompt's KV cache, the vLLM engine reads vLLM's prefix cache where that is safe). Results follow the row convention of the wire contract: row i is about
 token i given tokens 0..i-1, rows `first_row..T-1` are returned.
 """
 
@@ -96,6 +96,9 @@ class EngineResult:
     # engines that know it, beside logprobs: what vLLM-shaped answers report as `rank`.
     ranks: torch.Tensor | None = None
     score_logprobs: torch.Tensor | None = None  # float32 [R, K], -inf at padded score_ids
+    # Prompt tokens this request did not recompute because its prompt was shared (0: its prompt
+    # was computed; None: reuse did not apply to it). The replica reports it to the metrics.
+    prompt_reused_tokens: int | None = None
     # Set by the batcher: time spent waiting for a batch, and the batch's engine time.
     queue_seconds: float = 0.0
     engine_seconds: float = 0.0

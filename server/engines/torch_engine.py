@@ -29,7 +29,9 @@ from proctor.server.engines.base import (
     TeacherEngine,
     serving_dtype,
 )
+from proctor.server.engines.torch_prefix import TorchPrefix, supports_prompt_cache
 from proctor.server.fingerprint import model_fingerprint
+from proctor.server.prompt_reuse import ReuseSettings
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +74,7 @@ class TorchEngine(TeacherEngine):
         inference = spec.inference or {}
         self._max_model_len = inference.get("max_model_len")
         self._budget = int(inference.get("max_num_batched_tokens") or DEFAULT_TOKEN_BUDGET)
+        self._prefix: TorchPrefix | None = None  # shared prompts' KV caches (set at load)
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -90,6 +93,8 @@ class TorchEngine(TeacherEngine):
         model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
         model.to(device).eval()
         self._model = model
+        reuse = ReuseSettings.from_inference(self.spec.inference)
+        self._prefix = TorchPrefix(reuse) if reuse.enabled and supports_prompt_cache(model) else None
         max_len = int(self._max_model_len or getattr(config, "max_position_embeddings", 4096))
         self._info = EngineInfo(
             engine="torch",
@@ -114,6 +119,8 @@ class TorchEngine(TeacherEngine):
         """The loaded model (weight swapping copies state dicts in and out of it)."""
         if self._model is None:
             raise EngineError("engine not started")
+        if self._prefix is not None:  # whoever takes the module may change its weights
+            self._prefix.clear()
         return self._model
 
     # -- protocol --------------------------------------------------------------------------
@@ -152,26 +159,37 @@ class TorchEngine(TeacherEngine):
         model = self._model
         if model is None:
             raise EngineError("engine not started")
-        device = next(model.parameters()).device
-        lengths = [r.num_tokens for r in batch]
-        width = max(lengths)
-        ids = torch.zeros((len(batch), width), dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for row, request in enumerate(batch):
-            ids[row, : request.num_tokens] = request.token_ids
-            mask[row, : request.num_tokens] = 1
         with self._lock, torch.inference_mode():
-            self.forward_passes += 1
             body = model.get_decoder()
-            hidden = body(input_ids=ids.to(device), attention_mask=mask.to(device)).last_hidden_state
-            # Position i-1 produces row i: each request's rows first_row..T-1.
-            states = [hidden[i, r.first_row - 1 : r.num_tokens - 1] for i, r in enumerate(batch)]
             results = [EngineResult(first_row=r.first_row) for r in batch]
+            if self._prefix is None:
+                states, _ = self._padded_pass(body, batch, False)
+            else:  # shared prompts from their cached KV (torch_prefix), the rest as below
+                states, reused = self._prefix.states(body, batch, self._padded_pass)
+                for result, tokens in zip(results, reused, strict=True):
+                    result.prompt_reused_tokens = tokens
             for result, request, rows in zip(results, batch, states, strict=True):
                 if request.hidden_states:
                     result.hidden_states = rows.to("cpu").clone()
             self._head_outputs(model, batch, states, results)
             return results
+
+    def _padded_pass(self, body, batch: list[EngineRequest], keep_cache: bool) -> tuple[list[torch.Tensor], object]:
+        """One right-padded pass of the decoder body: each request's rows first_row..T-1 of
+        hidden states, and the pass's KV cache when `keep_cache` (else None)."""
+        device = next(body.parameters()).device
+        width = max(r.num_tokens for r in batch)
+        ids = torch.zeros((len(batch), width), dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, request in enumerate(batch):
+            ids[row, : request.num_tokens] = request.token_ids
+            mask[row, : request.num_tokens] = 1
+        self.forward_passes += 1
+        out = body(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=keep_cache)
+        hidden = out.last_hidden_state
+        # Position i-1 produces row i: each request's rows first_row..T-1.
+        states = [hidden[i, r.first_row - 1 : r.num_tokens - 1] for i, r in enumerate(batch)]
+        return states, (out.past_key_values if keep_cache else None)
 
     @staticmethod
     def _head_outputs(model, batch: list[EngineRequest], states: list[torch.Tensor], results: list[EngineResult]) -> None:
