@@ -16,8 +16,8 @@ STREAM_MEDIA_TYPE = "application/x-protobuf-stream"
 _HEADER = struct.Struct("<I")
 
 
-def frame(message: Message) -> bytes:
-    payload = message.SerializeToString()
+def frame(message: Message | bytes) -> bytes:
+    payload = message if isinstance(message, bytes) else message.SerializeToString()
     return _HEADER.pack(len(payload)) + payload
 
 

@@ -54,6 +54,15 @@ def _parse(raw: bytes, message_type: type[Message]) -> Message:
     return message
 
 
+def _serializer(response_type: type[Message]):
+    """Answers are messages or, for scoring, bytes already serialised (`responses` splices them)."""
+
+    def serialize(answer: Message | bytes) -> bytes:
+        return answer if isinstance(answer, bytes) else response_type.SerializeToString(answer)
+
+    return serialize
+
+
 def _unary(method, message_type: type[Message], response_type: type[Message]) -> grpc.RpcMethodHandler:
     """A unary handler that receives raw bytes and parses them itself (see `_parse`)."""
 
@@ -64,7 +73,7 @@ def _unary(method, message_type: type[Message], response_type: type[Message]) ->
             await _abort(context, error)
         return await method(request, context)
 
-    return grpc.unary_unary_rpc_method_handler(handle, response_serializer=response_type.SerializeToString)
+    return grpc.unary_unary_rpc_method_handler(handle, response_serializer=_serializer(response_type))
 
 
 def _streaming(method, message_type: type[Message], response_type: type[Message]) -> grpc.RpcMethodHandler:
@@ -79,7 +88,7 @@ def _streaming(method, message_type: type[Message], response_type: type[Message]
         async for item in method(request, context):
             yield item
 
-    return grpc.unary_stream_rpc_method_handler(handle, response_serializer=response_type.SerializeToString)
+    return grpc.unary_stream_rpc_method_handler(handle, response_serializer=_serializer(response_type))
 
 
 def add_scoring_service(servicer: TeacherScoringServicer, server: grpc.aio.Server) -> None:
@@ -108,9 +117,9 @@ class TeacherScoringServicer(scoring_pb2_grpc.TeacherScoringServicer):
             scored = await self.service.score(request, timeout=_deadline(context), unary=True)
         except ScoringError as error:
             await _abort(context, error)
-        return self.responses.message(scored)
+        return self.responses.protobuf(scored)
 
-    async def ScoreStream(self, request, context) -> AsyncIterator[scoring_pb2.ScoreChunk]:
+    async def ScoreStream(self, request, context) -> AsyncIterator[bytes]:
         try:
             scored = await self.service.score(request, timeout=_deadline(context), unary=False)
         except ScoringError as error:

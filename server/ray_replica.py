@@ -2,8 +2,9 @@
 
 With `server.ray.enabled`, the placement plan maps onto Ray. Each replica's engine runs in
 an actor; the service talks to it through `RayEngine`, an ordinary `TeacherEngine` whose
-`score()` is a remote call (requests and results travel as pickled dataclasses holding torch
-tensors, through Ray's object store).
+`score()` is a remote call. The actor is a replica worker like a local one (`engine_host`):
+it answers results in wire form (`wire_result.EncodedResult`, a few `bytes` objects through
+Ray's object store), so the front only splices them into answers.
 
 Two shapes of placement group:
 
@@ -59,6 +60,7 @@ from proctor.server.engines.base import (
     Outcome,
     TeacherEngine,
 )
+from proctor.server.engines.wire_result import encode_outcomes
 from proctor.server.pool import VISIBLE_DEVICES_ENV, PlacementPlan, ReplicaGroupPlan
 
 log = logging.getLogger(__name__)
@@ -96,7 +98,7 @@ class EngineActor:
         return self.engine.describe(), self.engine.token_budget()
 
     async def score(self, batch: list[EngineRequest]) -> list[Outcome]:
-        return await self.engine.score(batch)
+        return encode_outcomes(await self.engine.score(batch))
 
     async def abort(self, request_keys: list[str]) -> None:
         await self.engine.abort(request_keys)

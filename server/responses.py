@@ -1,8 +1,15 @@
 """Every answer to a scored request is built here, and its bytes counted here.
 
 Both transports (and the protobuf and JSON flavours of HTTP) ask `Responses` for a unary
-message, its serialised bytes, stream chunks or a JSON body, so the row convention and dtypes
-are decided in one place, and `proctor:response_bytes` counts exactly what is sent.
+answer's bytes, stream chunks' bytes or a JSON body, so the row convention and dtypes are decided
+in one place, and `proctor:response_bytes` counts exactly what is sent.
+
+The protobuf answers are spliced, not built: a result arrives from its replica worker already
+in wire form (`EncodedResult`: the serialised fields of the small outputs, the raw rows of the
+hidden states), and an answer is the small header message's bytes followed by those fields
+(protobuf allows a message's fields in any order, and a message field is a tag, a length and
+the field's bytes). So the front process does no work per token: one join of a few byte
+strings per answer (per chunk for streams), whatever the top-k or the hidden size.
 """
 
 from __future__ import annotations
@@ -13,9 +20,29 @@ from collections.abc import Iterator
 
 import torch
 
-from proctor.proto import dtype_name, encode_tensor, iter_row_chunks, scoring_pb2
+from proctor.proto import dtype_name, iter_row_chunks, rows_per_chunk, scoring_pb2
+from proctor.server.engines.wire_result import EncodedResult, RawRows, encode_result
 from proctor.server.metrics import MetricsSink
 from proctor.server.service import ScoredRequest
+
+_LEN = 2  # protobuf's wire type of length-delimited fields
+_HIDDEN = scoring_pb2.ScoreResponse.DESCRIPTOR.fields_by_name["hidden_states"].number
+_DATA = scoring_pb2.Tensor.DESCRIPTOR.fields_by_name["data"].number
+_CHUNK_RESPONSE = scoring_pb2.ScoreChunk.DESCRIPTOR.fields_by_name["response"].number
+_CHUNK_LAST = scoring_pb2.ScoreChunk(last=True).SerializeToString()
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _tag(number: int) -> bytes:
+    return _varint(number << 3 | _LEN)
 
 
 def _header(scored: ScoredRequest) -> dict:
@@ -28,41 +55,46 @@ def _header(scored: ScoredRequest) -> dict:
     }
 
 
-def _as(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Cast only when needed (engines already return wire dtypes; a cast is a torch dispatch)."""
-    return tensor if tensor.dtype == dtype else tensor.to(dtype)
+def _hidden_field(raw: RawRows, first_row: int, start: int, stop: int) -> list[bytes | memoryview]:
+    """ScoreResponse's `hidden_states` field holding rows start..stop-1 of `raw`: parts to join."""
+    row = raw.row_bytes
+    data = memoryview(raw.data)[start * row : stop * row]
+    head = scoring_pb2.Tensor(dtype=raw.dtype, shape=[stop - start, *raw.shape[1:]], first_row=first_row + start)
+    tensor_head = head.SerializeToString() + _tag(_DATA) + _varint(len(data))
+    return [_tag(_HIDDEN), _varint(len(tensor_head) + len(data)), tensor_head, data]
 
 
-def _small_outputs(scored: ScoredRequest) -> dict:
-    result, first = scored.result, scored.result.first_row
-    out = {}
-    if result.logprobs is not None:
-        out["logprobs"] = encode_tensor(_as(result.logprobs, torch.float32), first_row=first)
-    if result.topk_ids is not None:
-        out["topk_ids"] = encode_tensor(_as(result.topk_ids, torch.int32), first_row=first)
-        out["topk_logprobs"] = encode_tensor(_as(result.topk_logprobs, torch.float32), first_row=first)
-    if result.score_logprobs is not None:
-        out["score_logprobs"] = encode_tensor(_as(result.score_logprobs, torch.float32), first_row=first)
-    return out
+def _unary(scored: ScoredRequest) -> bytes:
+    """The serialised ScoreResponse: header, the worker's output fields, the hidden states."""
+    wire = encode_result(scored.result)
+    parts: list[bytes | memoryview] = [scoring_pb2.ScoreResponse(**_header(scored)).SerializeToString(), wire.outputs]
+    if wire.hidden is not None:
+        parts += _hidden_field(wire.hidden, wire.first_row, 0, wire.hidden.shape[0])
+    return b"".join(parts)
 
 
-def _response(scored: ScoredRequest) -> scoring_pb2.ScoreResponse:
-    response = scoring_pb2.ScoreResponse(**_header(scored), **_small_outputs(scored))
-    if scored.result.hidden_states is not None:
-        response.hidden_states.CopyFrom(encode_tensor(scored.result.hidden_states, first_row=scored.result.first_row))
-    return response
+def _chunk(response_parts: list[bytes | memoryview], last: bool) -> bytes:
+    """A serialised ScoreChunk around a ScoreResponse given as parts."""
+    size = sum(len(p) for p in response_parts)
+    return b"".join([_tag(_CHUNK_RESPONSE), _varint(size), *response_parts, _CHUNK_LAST if last else b""])
 
 
-def _chunks(scored: ScoredRequest, *, chunk_bytes: int) -> Iterator[scoring_pb2.ScoreChunk]:
+def _chunks(scored: ScoredRequest, *, chunk_bytes: int) -> Iterator[bytes]:
     """Header and small outputs first, then hidden states in chunks of whole rows."""
-    header = _header(scored)
-    hidden = scored.result.hidden_states
-    pieces = list(iter_row_chunks(hidden, first_row=scored.result.first_row, target_bytes=chunk_bytes)) if hidden is not None else []
-    first = scoring_pb2.ScoreResponse(**header, **_small_outputs(scored))
-    yield scoring_pb2.ScoreChunk(response=first, last=not pieces)
-    for index, piece in enumerate(pieces):
-        rows = scoring_pb2.ScoreResponse(request_id=scored.request_id, hidden_states=piece)
-        yield scoring_pb2.ScoreChunk(response=rows, last=index == len(pieces) - 1)
+    wire = encode_result(scored.result)
+    head = scoring_pb2.ScoreResponse(**_header(scored)).SerializeToString()
+    hidden = wire.hidden
+    if hidden is None:
+        yield _chunk([head, wire.outputs], True)
+        return
+    yield _chunk([head, wire.outputs], False)
+    rows = hidden.shape[0]
+    step = rows_per_chunk(hidden.row_bytes or 1, chunk_bytes)
+    starts = range(0, max(rows, 1), step)
+    request_id = scoring_pb2.ScoreResponse(request_id=scored.request_id).SerializeToString()
+    for index, start in enumerate(starts):
+        stop = min(rows, start + step)
+        yield _chunk([request_id, *_hidden_field(hidden, wire.first_row, start, stop)], index == len(starts) - 1)
 
 
 def _rows_with_nulls(values: torch.Tensor, first_row: int, num_tokens: int) -> list:
@@ -87,13 +119,15 @@ def _json(scored: ScoredRequest) -> dict:
     if result.score_logprobs is not None:
         rows = _finite_or_null(result.score_logprobs)
         body["score_logprobs"] = [None] * first + rows + [None] * (total - first - len(rows))
-    if result.hidden_states is not None:
-        wire = encode_tensor(result.hidden_states, first_row=first)
+    hidden = result.hidden if isinstance(result, EncodedResult) else None
+    if hidden is None and result.hidden_states is not None:
+        hidden = RawRows.of(result.hidden_states)
+    if hidden is not None:
         body["hidden_states"] = {
-            "dtype": dtype_name(wire.dtype),
-            "shape": list(wire.shape),
+            "dtype": dtype_name(hidden.dtype),
+            "shape": list(hidden.shape),
             "first_row": first,
-            "data": base64.b64encode(wire.data).decode("ascii"),
+            "data": base64.b64encode(hidden.data).decode("ascii"),
         }
     return body
 
@@ -114,15 +148,9 @@ class Responses:
         self.metrics = metrics
         self.chunk_bytes = chunk_bytes
 
-    def message(self, scored: ScoredRequest) -> scoring_pb2.ScoreResponse:
-        """The unary ScoreResponse (gRPC serialises it)."""
-        response = _response(scored)
-        self.metrics.response_sent(scored.teacher, scored.mode, response.ByteSize())
-        return response
-
     def protobuf(self, scored: ScoredRequest) -> bytes:
-        """The unary ScoreResponse, serialised (HTTP's protobuf answer)."""
-        payload = _response(scored).SerializeToString()
+        """The unary ScoreResponse, serialised (gRPC's answer and HTTP's protobuf answer)."""
+        payload = _unary(scored)
         self.metrics.response_sent(scored.teacher, scored.mode, len(payload))
         return payload
 
@@ -132,10 +160,11 @@ class Responses:
         self.metrics.response_sent(scored.teacher, scored.mode, len(payload))
         return payload
 
-    def chunks(self, scored: ScoredRequest) -> Iterator[scoring_pb2.ScoreChunk]:
-        """The streamed answer: header and small outputs, then hidden states in whole rows."""
+    def chunks(self, scored: ScoredRequest) -> Iterator[bytes]:
+        """The streamed answer, serialised ScoreChunks: header and small outputs, then hidden
+        states in whole rows."""
         for chunk in _chunks(scored, chunk_bytes=self.chunk_bytes):
-            self.metrics.response_sent(scored.teacher, scored.mode, chunk.ByteSize())
+            self.metrics.response_sent(scored.teacher, scored.mode, len(chunk))
             yield chunk
 
     def unembedding(self, weight: torch.Tensor, fingerprint: str) -> Iterator[scoring_pb2.TensorChunk]:

@@ -113,13 +113,14 @@ def test_concurrent_requests_are_exact(scoring_server, stub):
 
 
 def test_torch_engine_batches_concurrent_requests_into_fewer_passes(torch_server):
-    """Counted on the in-process torch engine (vLLM batches inside its own scheduler)."""
-    engine = torch_server.server.service.router.teachers["tiny"].replicas[0].engine
+    """Counted in the front, whose batcher decides the batches; the torch engine (in its replica
+    worker) runs one forward pass per batch (vLLM batches inside its own scheduler)."""
+    batcher = torch_server.server.service.router.teachers["tiny"].replicas[0].batcher
     stub = scoring_pb2_grpc.TeacherScoringStub(grpc.insecure_channel(torch_server.grpc_target))
-    before = engine.forward_passes
+    before = batcher.batches
     with ThreadPoolExecutor(32) as pool:
         list(pool.map(lambda i: stub.Score(scoring_pb2.ScoreRequest(token_ids=_ids(64, i), logprobs=True)), range(64)))
-    passes = engine.forward_passes - before
+    passes = batcher.batches - before
     assert passes < 64, f"64 concurrent requests took {passes} forward passes: no batching"
 
 

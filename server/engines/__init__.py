@@ -1,8 +1,11 @@
 """Teacher engines behind one protocol; `create_engine` picks one by its config name.
 
 Engines import lazily: vLLM and vLLM-Omni are optional extras and heavy to import.
-`create_replica_engine` is what a server replica runs: vLLM-family engines in a host process of
-their own (their processes need the replica's own visible devices), the torch engine here.
+`create_replica_engine` is what a server replica runs: every engine in a replica worker process
+of its own (`SubprocessEngine`), so the front process runs no engine's Python and each
+replica's processes get its own visible devices. `inference.replica_worker: false` keeps a
+torch replica in the front process (one process to debug; its forward pass then shares the
+front's interpreter with the transports).
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ from proctor.server.engines.base import (
 )
 
 ENGINE_NAMES = ("torch", "vllm", "vllm_omni")
-# Engines that spawn processes of their own, which must inherit the replica's environment.
-HOSTED_ENGINES = ("vllm", "vllm_omni")
+# Engines that spawn processes of their own, which must inherit the replica's environment:
+# always in a worker, whatever `inference.replica_worker` says.
+SPAWNING_ENGINES = ("vllm", "vllm_omni")
 
 
 class EngineConfigError(ValueError):
@@ -47,12 +51,13 @@ def create_engine(spec: EngineSpec) -> TeacherEngine:
 
 
 def create_replica_engine(spec: EngineSpec, *, name: str = "") -> TeacherEngine:
-    """The engine one in-process replica runs: hosted in its own process for vLLM engines."""
-    if spec.name in HOSTED_ENGINES:
-        from proctor.server.engines.subprocess_engine import SubprocessEngine
+    """The engine one replica of this server runs: in a replica worker process of its own."""
+    in_front = (spec.inference or {}).get("replica_worker") is False and spec.name not in SPAWNING_ENGINES
+    if spec.name not in ENGINE_NAMES or in_front:
+        return create_engine(spec)  # an unknown name fails here, with the list of engines
+    from proctor.server.engines.subprocess_engine import SubprocessEngine
 
-        return SubprocessEngine(spec, name=name)
-    return create_engine(spec)
+    return SubprocessEngine(spec, name=name)
 
 
 __all__ = [

@@ -1,12 +1,15 @@
-"""An engine host: one teacher engine in a process of its own (`python -m ...engine_host FD`).
+"""A replica worker: one teacher engine in a process of its own (`python -m ...engine_host FD`).
 
-The server starts one per vLLM / vLLM-Omni replica (`SubprocessEngine`) with the replica's
-environment given explicitly (its `*_VISIBLE_DEVICES`), so the engine's own processes (vLLM's
-EngineCore and workers) inherit exactly that and nothing another replica set; replicas start
-concurrently and the server's `os.environ` is never touched. The host serves the engine
-protocol over the socket `FD` (see `host_protocol`): scoring calls run concurrently, aborts
-reach the engine while its batch runs, and health checks are answered by the engine's own
-probe. When the server goes away (the socket closes) the host closes its engine and exits.
+The server's front process starts one per replica (`SubprocessEngine`), whatever the engine,
+with the replica's environment given explicitly (its `*_VISIBLE_DEVICES`), so the engine's own
+processes (vLLM's EngineCore and workers) inherit exactly that and nothing another replica
+set; replicas start concurrently and the front's `os.environ` is never touched. The worker
+owns everything per token: its engine (vLLM's output processing, the torch forward pass and its
+Python) and the encoding of each result into the wire's bytes (`wire_result`), so the front
+only moves bytes. It serves the engine protocol over the socket `FD` (see `host_protocol`):
+scoring calls run concurrently, aborts reach the engine while its batch runs, and health
+checks are answered by the engine's own probe. When the front goes away (the socket closes)
+the worker closes its engine and exits.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import sys
 from typing import Any
 
 from proctor.server.engines.host_protocol import read_message, write_message
+from proctor.server.engines.wire_result import encode_outcomes
 
 log = logging.getLogger("proctor.engine_host")
 
@@ -36,7 +40,7 @@ class EngineHost:
         message = await read_message(self.reader)
         if message is None or message[0] != "start":
             return
-        if not await self._start(message[1]):
+        if not await self._start(message[1], message[2]):
             return
         try:
             while (message := await read_message(self.reader)) is not None:
@@ -50,11 +54,11 @@ class EngineHost:
                 with contextlib.suppress(Exception):
                     await self.engine.close()
 
-    async def _start(self, spec: Any) -> bool:
+    async def _start(self, spec: Any, build: Any) -> bool:
         from proctor.server.engines import create_engine
 
         try:
-            self.engine = create_engine(spec)
+            self.engine = (build or create_engine)(spec)
             await self.engine.start()
         except Exception as exc:
             log.exception("engine failed to start")
@@ -68,11 +72,14 @@ class EngineHost:
         if kind == "abort":
             self._spawn(self.engine.abort(list(message[1])))
         elif kind == "score":
-            self._spawn(self._reply(message[1], self.engine.score(message[2])))
+            self._spawn(self._reply(message[1], self._score(message[2])))
         elif kind == "health":
             self._spawn(self._reply(message[1], self.engine.check_health()))
         else:
             log.error("unknown message %r from the server", kind)
+
+    async def _score(self, batch: list) -> list:
+        return encode_outcomes(await self.engine.score(batch))
 
     def _spawn(self, coro) -> None:
         task = asyncio.ensure_future(coro)

@@ -1,12 +1,15 @@
-"""A replica's engine in a host process of its own, seen by the server as an ordinary engine.
+"""A replica's engine in a worker process of its own, seen by the front as an ordinary engine.
 
-Why a process: a vLLM replica spawns its EngineCore (and, with TP > 1, its workers), which
-inherit the environment of the process that spawns them. Several replicas of one server need
-several `CUDA_VISIBLE_DEVICES` / `ASCEND_RT_VISIBLE_DEVICES` values at once, which one
-`os.environ` cannot hold, so each replica's engine lives in `engine_host`, started with its
-environment given explicitly. The replicas start concurrently, nothing blocks the event loop,
-and killing a replica means killing its host's whole process group (EngineCore included, also
-when it is stopped or wedged).
+Why a process: the front process serves every replica of a server, so nothing per token may
+run there (a vLLM replica's output processing, the torch engine's forward pass and its Python
+would share the front's interpreter with the transports); the worker (`engine_host`) runs the
+engine and answers results already in wire form. And a vLLM replica spawns its EngineCore
+(and, with TP > 1, its workers), which inherit the environment of the process that spawns
+them: several replicas of one server need several `CUDA_VISIBLE_DEVICES` /
+`ASCEND_RT_VISIBLE_DEVICES` values at once, which one `os.environ` cannot hold, so each
+worker starts with its environment given explicitly. The replicas start concurrently, nothing
+blocks the event loop, and killing a replica means killing its worker's whole process group
+(EngineCore included, also when it is stopped or wedged).
 
 Faults are the host's or its engine's: the host exiting (killed, crashed) fails every call in
 flight with `EngineError` at once; a host or engine that stops answering fails its health
@@ -25,10 +28,12 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from proctor.proto import torch_dtype
 from proctor.server.engines.base import (
     DEFAULT_TOKEN_BUDGET,
     EngineError,
@@ -38,6 +43,7 @@ from proctor.server.engines.base import (
     Outcome,
     TeacherEngine,
 )
+from proctor.server.engines.checkpoint import load_unembedding
 from proctor.server.engines.host_protocol import read_message, write_message
 from proctor.server.pool import VISIBLE_DEVICES_ENV
 
@@ -68,11 +74,24 @@ def host_spec(spec: EngineSpec) -> EngineSpec:
 
 
 class SubprocessEngine(TeacherEngine):
-    """`engine_host` as a child process, spoken to over a socket pair."""
+    """`engine_host` as a child process, spoken to over a socket pair.
 
-    def __init__(self, spec: EngineSpec, *, name: str = "", health_timeout_s: float | None = None) -> None:
+    `build` makes the worker's engine from the spec there (default `create_engine`); it travels
+    pickled, so it must be importable in the worker (`env` may extend its PYTHONPATH)."""
+
+    def __init__(
+        self,
+        spec: EngineSpec,
+        *,
+        name: str = "",
+        health_timeout_s: float | None = None,
+        build: Callable[[EngineSpec], TeacherEngine] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.spec = spec
         self.name = name or spec.name
+        self.build = build
+        self.extra_env = dict(env or {})
         self.health_timeout_s = float(health_timeout_s or (spec.inference or {}).get("health_timeout_s") or 15.0)
         self._proc: asyncio.subprocess.Process | None = None
         self._writer: asyncio.StreamWriter | None = None
@@ -99,7 +118,7 @@ class SubprocessEngine(TeacherEngine):
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         ours, theirs = socket.socketpair()
-        env = {**os.environ, **engine_environment(self.spec), "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, **engine_environment(self.spec), **self.extra_env, "PYTHONUNBUFFERED": "1"}
         try:
             self._proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "proctor.server.engines.engine_host", str(theirs.fileno()),
@@ -115,7 +134,7 @@ class SubprocessEngine(TeacherEngine):
             loop.create_task(self._pump_output(), name=f"proctor-host-{self.name}-output"),
             loop.create_task(self._watch_exit(), name=f"proctor-host-{self.name}-exit"),
         ]
-        self._send(("start", host_spec(self.spec)))
+        self._send(("start", host_spec(self.spec), self.build))
         timeout = self.spec.startup_timeout_s
         try:
             self._info, self._budget = await asyncio.wait_for(asyncio.shield(self._ready), timeout)
@@ -252,13 +271,20 @@ class SubprocessEngine(TeacherEngine):
         return healthy
 
     def unembedding(self) -> torch.Tensor:
-        """Read here from the checkpoint, as the hosted engine itself does (vLLM's weights live
-        in its EngineCore, never in a Python process): an unstarted twin knows where to look."""
+        """Read here from the checkpoint (the weights live in the worker, and vLLM's in its
+        EngineCore): vLLM engines know where to look unstarted; the torch engine's is the
+        checkpoint's `lm_head` (or tied embeddings) in the dtype it serves."""
         if self._unembedding is None:
             from proctor.server.engines import create_engine
+            from proctor.server.engines.base import serving_dtype
 
-            twin = create_engine(host_spec(self.spec))
-            weight = twin.unembedding()
+            spec = host_spec(self.spec)
+            if spec.name == "torch":
+                weight = load_unembedding(spec.model_path)
+                dtype = self._info.dtype if self._info is not None else serving_dtype(spec.dtype, weight.dtype)
+                weight = weight.to(torch_dtype(dtype))
+            else:
+                weight = create_engine(spec).unembedding()
             if self._info is not None:
                 weight = weight[: self._info.vocab_size].contiguous()
             self._unembedding = weight

@@ -1,0 +1,137 @@
+"""An engine's result as the wire's bytes, made where the engine runs (the replica worker).
+
+Why: the front process serves every replica of a node, so what it does per scored token sets
+how many replicas one server can feed. A replica worker therefore turns each `EngineResult`
+into `EncodedResult` before it crosses to the front: the small outputs (log-probs, top-k,
+score_ids log-probs) as the serialised `ScoreResponse` fields that carry them, the hidden
+states as their raw little-endian rows. The front then only splices bytes (`responses`):
+no tensor is rebuilt or re-encoded there, and a result pickles as a few `bytes` objects
+(a torch tensor pickles through `torch.save`, tens of µs each).
+
+Readers that want tensors (the JSON answer, vLLM's `/v1/completions`, tests) get them from the
+same attribute names as `EngineResult`'s, decoded lazily and without a copy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+import torch
+
+from proctor.proto import WIRE_DTYPES, encode_tensor, scoring_pb2
+from proctor.server.engines.base import EngineResult, Outcome
+
+# EngineResult fields that travel inside the ScoreResponse bytes, and their wire dtype.
+SMALL_OUTPUTS = {
+    "logprobs": torch.float32,
+    "topk_ids": torch.int32,
+    "topk_logprobs": torch.float32,
+    "score_logprobs": torch.float32,
+}
+_TENSOR_FIELDS = (*SMALL_OUTPUTS, "hidden_states", "ranks")
+
+
+@dataclasses.dataclass(frozen=True)
+class RawRows:
+    """A [rows, ...] tensor as wire dtype, shape and raw little-endian bytes (row-major)."""
+
+    dtype: int  # scoring_pb2.DType
+    shape: tuple[int, ...]
+    data: bytes
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> RawRows:
+        wire = encode_tensor(tensor)
+        return cls(wire.dtype, tuple(wire.shape), wire.data)
+
+    @property
+    def row_bytes(self) -> int:
+        return len(self.data) // self.shape[0] if self.shape and self.shape[0] else 0
+
+    def tensor(self) -> torch.Tensor:
+        """A tensor over these bytes (no copy; read-only in spirit, as decoded wire tensors are)."""
+        np_dtype, torch_dtype = WIRE_DTYPES[self.dtype]
+        if not self.data:
+            return torch.empty(self.shape, dtype=torch_dtype)
+        array = np.frombuffer(self.data, dtype=np_dtype)
+        import warnings
+
+        with warnings.catch_warnings():  # torch warns that the buffer is not writable
+            warnings.simplefilter("ignore", UserWarning)
+            tensor = torch.from_numpy(array)
+        if torch_dtype == torch.bfloat16:
+            tensor = tensor.view(torch.bfloat16)
+        return tensor.reshape(self.shape)
+
+
+class EncodedResult:
+    """An `EngineResult` in wire form: `outputs` (serialised ScoreResponse fields of the small
+    outputs), `hidden` (raw rows), `raw_ranks`, and the result's other fields as they were."""
+
+    def __init__(self, outputs: bytes, hidden: RawRows | None, raw_ranks: RawRows | None, **scalars: Any) -> None:
+        self.outputs = outputs
+        self.hidden = hidden
+        self.raw_ranks = raw_ranks
+        self.first_row: int = scalars.pop("first_row")
+        self.queue_seconds: float = scalars.pop("queue_seconds", 0.0)
+        self.engine_seconds: float = scalars.pop("engine_seconds", 0.0)
+        self.__dict__.update(scalars)  # what else the engine reported (e.g. prompt_reused_tokens)
+
+    @cached_property
+    def _message(self) -> scoring_pb2.ScoreResponse:
+        return scoring_pb2.ScoreResponse.FromString(self.outputs)
+
+    def _small(self, name: str) -> torch.Tensor | None:
+        if not self._message.HasField(name):
+            return None
+        wire = getattr(self._message, name)
+        return RawRows(wire.dtype, tuple(wire.shape), wire.data).tensor()
+
+    @property
+    def logprobs(self) -> torch.Tensor | None:
+        return self._small("logprobs")
+
+    @property
+    def topk_ids(self) -> torch.Tensor | None:
+        return self._small("topk_ids")
+
+    @property
+    def topk_logprobs(self) -> torch.Tensor | None:
+        return self._small("topk_logprobs")
+
+    @property
+    def score_logprobs(self) -> torch.Tensor | None:
+        return self._small("score_logprobs")
+
+    @property
+    def hidden_states(self) -> torch.Tensor | None:
+        return self.hidden.tensor() if self.hidden is not None else None
+
+    @property
+    def ranks(self) -> torch.Tensor | None:
+        return self.raw_ranks.tensor() if self.raw_ranks is not None else None
+
+
+def encode_result(result: EngineResult | EncodedResult) -> EncodedResult:
+    """The wire form of one result (an already encoded one is returned as it is)."""
+    if isinstance(result, EncodedResult):
+        return result
+    first = result.first_row
+    small = {}
+    for name, dtype in SMALL_OUTPUTS.items():
+        value = getattr(result, name)
+        if value is not None:
+            small[name] = encode_tensor(value if value.dtype == dtype else value.to(dtype), first_row=first)
+    outputs = scoring_pb2.ScoreResponse(**small).SerializeToString() if small else b""
+    hidden = RawRows.of(result.hidden_states) if result.hidden_states is not None else None
+    ranks = RawRows.of(result.ranks) if result.ranks is not None else None
+    scalars = {f.name: getattr(result, f.name) for f in dataclasses.fields(result) if f.name not in _TENSOR_FIELDS}
+    return EncodedResult(outputs, hidden, ranks, **scalars)
+
+
+def encode_outcomes(outcomes: list[Outcome]) -> list[Outcome | EncodedResult]:
+    """A batch's outcomes with every result in wire form (errors pass as they are)."""
+    return [encode_result(o) if isinstance(o, EngineResult) else o for o in outcomes]
