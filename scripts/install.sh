@@ -18,6 +18,8 @@ $pip install -q -e ".[$extras]"
 $pip install -q --no-deps verl==0.9.1 tensordict==0.10.0 omegaconf==2.3.0 antlr4-python3-runtime==4.9.3 \
     hydra-core==1.3.2 codetiming==1.4.0 pyvers==0.2.3 orjson==3.13.0 torchdata==0.11.0 TransferQueue==0.1.11 \
     peft==0.21.2
-# PyPI's torchvision/torchaudio/torchcodec builds need CUDA and break transformers imports beside the CPU torch.
-$pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+# PyPI's torchaudio/torchcodec builds need CUDA and break transformers imports beside the CPU torch.
+$pip uninstall -q -y torchaudio torchcodec 2>/dev/null || true
+# torchvision (the multimodal teachers' image/video transforms): its Python layer on the CPU torch.
+.venv/bin/python scripts/cpu_torchvision.py
 .venv/bin/python -c "import proctor.server, proctor.client, torch; print('proctor installed; torch', torch.__version__)"

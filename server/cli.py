@@ -149,16 +149,25 @@ def score(
 @app.command("make-tiny-model")
 def make_tiny_model_cmd(
     out_dir: Path = typer.Argument(..., help="Directory to write the model into."),
+    kind: str = typer.Option("text", help="text (a Qwen2 LM), vl (a Qwen2-VL) or omni-thinker (a Qwen2.5-Omni Thinker)."),
     vocab_size: int = typer.Option(512),
-    hidden_size: int = typer.Option(64),
-    num_layers: int = typer.Option(2),
+    hidden_size: int = typer.Option(64, help="text kind only"),
+    num_layers: int = typer.Option(2, help="text kind only"),
     seed: int = typer.Option(0),
 ) -> None:
-    """Build the built-in tiny teacher (random weights from a seed, a locally built tokenizer)."""
-    from proctor.server.tiny_model import make_tiny_model
+    """Build a tiny teacher (random weights from a seed, a locally built tokenizer; for the
+    multimodal kinds also its image/video processors and audio feature extractor)."""
+    if kind == "text":
+        from proctor.server.tiny_model import make_tiny_model
 
-    path = make_tiny_model(out_dir, vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers, seed=seed)
-    typer.echo(f"tiny teacher written to {path}")
+        path = make_tiny_model(out_dir, vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers, seed=seed)
+    else:
+        from proctor.server.tiny_multimodal import KINDS, make_tiny_multimodal
+
+        if kind not in KINDS:
+            raise typer.BadParameter(f"--kind must be one of text, {', '.join(KINDS)}; got {kind!r}")
+        path = make_tiny_multimodal(kind, out_dir, seed=seed, vocab_size=vocab_size)
+    typer.echo(f"tiny {kind} teacher written to {path}")
 
 
 @app.command()

@@ -28,15 +28,18 @@ User: what is 12 times 7? Assistant: 12 times 7 is 84.
 """
 
 
-def build_tokenizer(vocab_size: int):
-    """A byte-level BPE tokenizer trained on the built-in corpus (deterministic)."""
+def build_tokenizer(vocab_size: int, extra_special: dict[str, str] | None = None):
+    """A byte-level BPE tokenizer trained on the built-in corpus (deterministic); `extra_special`
+    names a model family's own special tokens (its media placeholders, `{"image_token":
+    "<|image_pad|>", ...}`, attributes that its processor reads), given ids after the base three."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = Tokenizer(models.BPE(unk_token=None))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    extra_special = dict(extra_special or {})
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *extra_special.values()]
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         special_tokens=special,
@@ -49,6 +52,7 @@ def build_tokenizer(vocab_size: int):
         eos_token="<|endoftext|>",
         pad_token="<|endoftext|>",
         bos_token=None,
+        **({"extra_special_tokens": extra_special} if extra_special else {}),
     )
 
 
