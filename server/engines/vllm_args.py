@@ -92,12 +92,13 @@ def engine_args_from_settings(
     engine: str = "vllm",
     max_logprobs: int,
     hidden_states: bool = False,
+    prefix_caching: bool = False,
 ) -> dict[str, Any]:
     """Keyword arguments for vLLM's (Async)EngineArgs from a teacher's settings.
 
     `hidden_states=True` builds the pooling replica's arguments: chunked prefill off (a pooled
-    sequence must be one step), `max_num_batched_tokens` at least `max_model_len`, no prefix
-    cache, and its own memory share (`engine_kwargs.<engine>.hidden_states_gpu_memory_utilization`).
+    sequence must be one step), `max_num_batched_tokens` at least `max_model_len`, a prefix cache
+    only with `prefix_caching` (shared-prompt reuse, `vllm_prefix`), and its own memory share (`engine_kwargs.<engine>.hidden_states_gpu_memory_utilization`).
     """
     settings = spec.inference or {}
     args: dict[str, Any] = {"model": str(spec.model_path), "dtype": resolve_dtype(spec)}
@@ -115,7 +116,7 @@ def engine_args_from_settings(
     if hidden_states:
         args.pop("max_logprobs", None)
         args["enable_chunked_prefill"] = False
-        args["enable_prefix_caching"] = False
+        args["enable_prefix_caching"] = bool(prefix_caching) and settings.get("enable_prefix_caching") is not False
         max_len = args.get("max_model_len")
         if max_len is not None:
             args["max_num_batched_tokens"] = max(int(args.get("max_num_batched_tokens") or 0), int(max_len))
@@ -127,10 +128,12 @@ def engine_args_from_settings(
 
 
 
-def scoring_sampling_kwargs(topk: int) -> dict[str, Any]:
+def scoring_sampling_kwargs(topk: int, *, read_cache: bool = False) -> dict[str, Any]:
     """SamplingParams for a pure prefill that returns prompt log-probs.
 
     detokenize=False: decoding every candidate token string stalls the engine (verl PR 7648).
+    read_cache: let vLLM read its prefix cache (only for `vllm_prefix`, which checks every answer);
+    otherwise every row is computed.
     """
     return {
         "max_tokens": 1,
@@ -138,6 +141,20 @@ def scoring_sampling_kwargs(topk: int) -> dict[str, Any]:
         "detokenize": False,
         "flat_logprobs": True,
         "temperature": 1.0,
+        "skip_reading_prefix_cache": not read_cache,
+    }
+
+
+def prompt_row_sampling_kwargs(vocab_size: int) -> dict[str, Any]:
+    """SamplingParams for a prompt alone whose one sampled position's whole log-softmax (row P of
+    every response to it) comes back: the vocabulary's log-probs, from the raw logits."""
+    return {
+        "max_tokens": 1,
+        "logprobs": int(vocab_size),
+        "detokenize": False,
+        "flat_logprobs": True,
+        "temperature": 1.0,
+        "skip_reading_prefix_cache": False,
     }
 
 

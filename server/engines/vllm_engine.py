@@ -85,9 +85,20 @@ from proctor.server.engines.vllm_args import (
     engine_args_from_settings,
     engine_kwargs_of,
     engine_request_id,
+    prompt_row_sampling_kwargs,
     scoring_sampling_kwargs,
 )
 from proctor.server.engines.vllm_common import PROBE_TIMEOUT_S, VllmFamilyEngine
+from proctor.server.engines.vllm_media import VllmMedia
+from proctor.server.engines.vllm_prefix import (
+    Decision,
+    PrefixLane,
+    full_row,
+    patch_first_row,
+    pooled_first_row,
+    pooled_rows,
+)
+from proctor.server.prompt_reuse import ReuseSettings
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +135,12 @@ class VllmEngine(VllmFamilyEngine):
         self._pooler = None
         self._pooler_lock = asyncio.Lock()
         self._pooler_failed: BaseException | None = None
+        self._media = VllmMedia(spec.model_path)  # a multimodal teacher's placeholder rule
+        self.media_kinds = self._media.kinds
+        self._reuse = ReuseSettings.from_inference(spec.inference)
+        # Records of shared prompts in each engine's prefix cache (vllm_prefix), once they run.
+        self._logprob_lane: PrefixLane | None = None
+        self._pool_lane: PrefixLane | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
     def _validate(self) -> None:
@@ -139,7 +156,10 @@ class VllmEngine(VllmFamilyEngine):
 
     def _engine_args(self) -> tuple[dict[str, Any], dict[str, Any]]:
         args = engine_args_from_settings(self.spec, max_logprobs=self.max_logprobs)
-        pooled = engine_args_from_settings(self.spec, max_logprobs=self.max_logprobs, hidden_states=True)
+        pooled = engine_args_from_settings(self.spec, max_logprobs=self.max_logprobs, hidden_states=True,
+                                           prefix_caching=self._reuse.enabled)
+        if self._reuse.enabled:  # row P of a fully cached prompt is its whole log-softmax (vllm_prefix)
+            args.update(max_logprobs=max(self.max_logprobs, self.facts.vocab_size), disable_log_stats=False)
         explicit = "hidden_states_gpu_memory_utilization" in (
             (self.settings.get("engine_kwargs") or {}).get("vllm") or {}
         )
@@ -158,6 +178,8 @@ class VllmEngine(VllmFamilyEngine):
         args, self._pooled_args = self._engine_args()
         log.info("starting vLLM teacher %s: %s", self.spec.model_path, args)
         self._llm = await asyncio.to_thread(self._build, args)
+        if self._reuse.enabled and self._llm.vllm_config.cache_config.enable_prefix_caching:
+            self._logprob_lane = PrefixLane(self._reuse, needs_preemption_check=True)
 
     def _build(self, args: dict[str, Any]):
         """An AsyncLLM for args; on the replica's Ray placement group when it has one."""
@@ -193,6 +215,9 @@ class VllmEngine(VllmFamilyEngine):
                     pooler.shutdown()
                     raise EngineError("vllm engine closed")
                 self._pooler = pooler
+                if self._reuse.enabled and pooler.vllm_config.cache_config.enable_prefix_caching:
+                    # One step per pooled sequence (no chunked prefill): never preempted mid-prefill.
+                    self._pool_lane = PrefixLane(self._reuse, needs_preemption_check=False)
         return self._pooler
 
     async def _engine_max_model_len(self) -> int:
@@ -237,6 +262,8 @@ class VllmEngine(VllmFamilyEngine):
         if from_hidden and not request.hidden_states:
             jobs.append(self._hidden(request, side))
         await asyncio.gather(*jobs)
+        if result.prompt_reused_tokens is None:
+            result.prompt_reused_tokens = side.prompt_reused_tokens
         if from_hidden:
             hidden = result.hidden_states if request.hidden_states else side.hidden_states
             actual = result.logprobs if request.logprobs else side.logprobs
@@ -250,38 +277,77 @@ class VllmEngine(VllmFamilyEngine):
         setting = engine_kwargs_of(self.spec, self.engine_name).get("score_ids_method")
         return choose_method(self._llm.vllm_config, serves_hidden_states=self.serves_hidden_states, setting=setting)
 
+    def _lane(self, lane: PrefixLane | None, request: EngineRequest) -> PrefixLane | None:
+        """The prefix lane a request is scored through, None for an uncached request."""
+        fixed = request.score_ids is not None and self.score_ids_method == FIXED_TOKENS
+        return lane if lane is not None and not fixed and lane.settings.applies(request) else None
+
     async def _logprobs(self, request: EngineRequest, result: EngineResult) -> None:
-        SamplingParams, TokensPrompt, _, _ = _import_vllm()
+        lane = self._lane(self._logprob_lane, request)
+        if lane is None:
+            self._read_rows(await self._generate(request, read_cache=False), request, result, skip=0)
+            return
+        answer = await lane.run(request, lambda read: self._generate(request, read_cache=read),
+                                lambda output, request, num_cached: None, lambda: self._prompt_row(request))
+        skip = int(answer.decision is Decision.FIRST_ROW)  # row P is not vLLM's: from the group's record
+        self._read_rows(answer.output, request, result, skip=skip)
+        if skip:
+            patch_first_row(result, request, answer.first_row)
+        result.prompt_reused_tokens = answer.reused_tokens
+
+    async def _generate(self, request: EngineRequest, *, read_cache: bool):
+        SamplingParams, _, _, _ = _import_vllm()
         fixed = fixed_token_kwargs(request) if self.score_ids_method == FIXED_TOKENS else {}
-        params = SamplingParams(**scoring_sampling_kwargs(request.topk), **fixed)
-        prompt = TokensPrompt(prompt_token_ids=request.token_ids.tolist())
+        params = SamplingParams(**scoring_sampling_kwargs(request.topk, read_cache=read_cache), **fixed)
+        prompt = await self._media.rendered(self._llm, request)  # media: collapsed, expanded, checked
+        return await self._final(self._llm.generate(prompt, params, request_id=engine_request_id(request)))
+
+    async def _prompt_row(self, request: EngineRequest) -> torch.Tensor:
+        """Row P's whole log-softmax from the prompt alone (its last position is always computed)."""
+        SamplingParams, TokensPrompt, _, _ = _import_vllm()
+        vocab = self.facts.vocab_size
+        params = SamplingParams(**prompt_row_sampling_kwargs(vocab))
+        prompt = TokensPrompt(prompt_token_ids=request.token_ids[: request.first_row].tolist())
+        final = await self._final(self._llm.generate(prompt, params, request_id=engine_request_id(request) + "-prompt"))
+        return full_row(final, vocab, request.first_row, preemption_checked=True)
+
+    @staticmethod
+    async def _final(outputs):
         final = None
-        async for output in self._llm.generate(prompt, params, request_id=engine_request_id(request)):
+        async for output in outputs:
             final = output
         if final is None:
             raise EngineError("vLLM returned no output")
-        lp, ids, vals = extract_rows(
-            final.prompt_logprobs, request.token_ids, request.first_row, request.topk, logprobs=request.logprobs
-        )
+        return final
+
+    def _read_rows(self, final, request: EngineRequest, result: EngineResult, *, skip: int) -> None:
+        """Rows first_row + skip..T-1 of vLLM's prompt log-probs into `result`."""
+        start = request.first_row + skip
+        lp, ids, vals = extract_rows(final.prompt_logprobs, request.token_ids, start, request.topk,
+                                     logprobs=request.logprobs)
         result.logprobs, result.topk_ids, result.topk_logprobs = lp, ids, vals
-        if fixed:
-            result.score_logprobs = fixed_token_rows(final, request)
+        if self.score_ids_method == FIXED_TOKENS and request.score_ids is not None:
+            result.score_logprobs = fixed_token_rows(final, request)[skip:]
         if request.logprobs:
-            result.ranks = actual_ranks(final.prompt_logprobs, request.token_ids, request.first_row)
+            result.ranks = actual_ranks(final.prompt_logprobs, request.token_ids, start)
 
     async def _hidden(self, request: EngineRequest, result: EngineResult) -> None:
-        from vllm import TokensPrompt
+        await self._pooling_engine()  # started (and its lane set) before the lane is chosen
+        lane = self._lane(self._pool_lane, request)
+        if lane is None:
+            final = await self._encode(request, read_cache=False)
+            rows = hidden_rows(torch.as_tensor(final.outputs.data), request.num_tokens, request.first_row)
+        else:
+            answer = await lane.run(request, lambda read: self._encode(request, read_cache=read), pooled_first_row, None)
+            rows = pooled_rows(answer, request)
+            if result.prompt_reused_tokens is None:
+                result.prompt_reused_tokens = answer.reused_tokens
+        result.hidden_states = rows.to(device="cpu", dtype=self._dtype).contiguous()
+
+    async def _encode(self, request: EngineRequest, *, read_cache: bool):
         from vllm.pooling_params import PoolingParams
 
         pooler = await self._pooling_engine()
-        prompt = TokensPrompt(prompt_token_ids=request.token_ids.tolist())
-        final = None
-        async for output in pooler.encode(
-            prompt, PoolingParams(task="token_embed"), request_id=engine_request_id(request)
-        ):
-            final = output
-        if final is None:
-            raise EngineError("vLLM returned no pooled output")
-        states = torch.as_tensor(final.outputs.data)
-        rows = hidden_rows(states, request.num_tokens, request.first_row)
-        result.hidden_states = rows.to(device="cpu", dtype=self._dtype).contiguous()
+        params = PoolingParams(task="token_embed", skip_reading_prefix_cache=not read_cache)
+        prompt = await self._media.rendered(pooler, request)
+        return await self._final(pooler.encode(prompt, params, request_id=engine_request_id(request)))
