@@ -29,6 +29,7 @@ from proctor.server.engines.base import (
     TeacherEngine,
     serving_dtype,
 )
+from proctor.server.engines.torch_media import PreparedMedia, TorchMedia, is_multimodal, load_multimodal_model
 from proctor.server.engines.torch_prefix import TorchPrefix, supports_prompt_cache
 from proctor.server.fingerprint import model_fingerprint
 from proctor.server.prompt_reuse import ReuseSettings
@@ -75,6 +76,7 @@ class TorchEngine(TeacherEngine):
         self._max_model_len = inference.get("max_model_len")
         self._budget = int(inference.get("max_num_batched_tokens") or DEFAULT_TOKEN_BUDGET)
         self._prefix: TorchPrefix | None = None  # shared prompts' KV caches (set at load)
+        self._media: TorchMedia | None = None  # a multimodal teacher's processor (set at load)
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -90,7 +92,11 @@ class TorchEngine(TeacherEngine):
         config = AutoConfig.from_pretrained(path, local_files_only=True)
         dtype = torch_dtype(serving_dtype(self.spec.dtype, getattr(config, "dtype", None)))
         device = resolve_device(self.spec.device)
-        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+        if is_multimodal(path):  # a VL model or an Omni Thinker: its processor scores the media
+            self._media = TorchMedia(path)
+            model = load_multimodal_model(path, config, dtype)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
         model.to(device).eval()
         self._model = model
         reuse = ReuseSettings.from_inference(self.spec.inference)
@@ -108,6 +114,7 @@ class TorchEngine(TeacherEngine):
             dtype=str(dtype).removeprefix("torch."),
             outputs=(*EngineInfo.outputs, "score_ids"),
             score_ids_method="log_softmax",
+            media=self._media.kinds if self._media is not None else (),
         )
         log.info("torch engine loaded %s on %s (%s)", path, device, dtype)
 
@@ -139,40 +146,67 @@ class TorchEngine(TeacherEngine):
 
     async def score(self, batch: list[EngineRequest]) -> list[Outcome]:
         outcomes: list[Outcome | None] = [self._request_problem(r) for r in batch]
+        prepared: dict[str, PreparedMedia] = {}
+        if self._media is not None and any(r.media for r in batch):  # processor + placeholder check
+            await asyncio.to_thread(self._prepare_media, batch, outcomes, prepared)
         scorable = [r for r, problem in zip(batch, outcomes, strict=True) if problem is None]
         if scorable:
-            results = iter(await asyncio.to_thread(self._score_sync, scorable))
+            results = iter(await asyncio.to_thread(self._score_sync, scorable, prepared))
             outcomes = [next(results) if problem is None else problem for problem in outcomes]
         return outcomes  # type: ignore[return-value]
 
-    @staticmethod
-    def _request_problem(request: EngineRequest) -> RequestRejected | None:
-        if request.media:
+    def _request_problem(self, request: EngineRequest) -> RequestRejected | None:
+        if request.media and self._media is None:
             kinds = request.media.kinds()
             return RequestRejected(
-                kinds[0], f"the torch engine serves text-only teachers; this request carries {', '.join(kinds)}"
+                f"{kinds[0]}[0]", f"this teacher is text-only; this request carries {', '.join(kinds)}"
             )
         return None
 
+    def _prepare_media(self, batch: list[EngineRequest], outcomes: list[Outcome | None],
+                       prepared: dict[str, PreparedMedia]) -> None:
+        assert self._media is not None
+        for index, request in enumerate(batch):
+            if request.media and outcomes[index] is None:
+                answer = self._media.prepare(request)
+                if isinstance(answer, RequestRejected):
+                    outcomes[index] = answer
+                else:
+                    prepared[request.key] = answer
+
     # -- the forward pass ------------------------------------------------------------------
-    def _score_sync(self, batch: list[EngineRequest]) -> list[EngineResult]:
+    def _score_sync(self, batch: list[EngineRequest], prepared: dict[str, PreparedMedia] | None = None) -> list[EngineResult]:
         model = self._model
         if model is None:
             raise EngineError("engine not started")
         with self._lock, torch.inference_mode():
-            body = model.get_decoder()
             results = [EngineResult(first_row=r.first_row) for r in batch]
-            if self._prefix is None:
-                states, _ = self._padded_pass(body, batch, False)
-            else:  # shared prompts from their cached KV (torch_prefix), the rest as below
-                states, reused = self._prefix.states(body, batch, self._padded_pass)
-                for result, tokens in zip(results, reused, strict=True):
-                    result.prompt_reused_tokens = tokens
+            # Requests with media run the full model one by one (torch_media); text ones below.
+            states: list[torch.Tensor | None] = [
+                TorchMedia.states(model, r, prepared[r.key]) if prepared and r.key in prepared else None
+                for r in batch
+            ]
+            text = [i for i, rows in enumerate(states) if rows is None]
+            if text:
+                for i, rows in zip(text, self._text_states([batch[i] for i in text], [results[i] for i in text]),
+                                   strict=True):
+                    states[i] = rows
             for result, request, rows in zip(results, batch, states, strict=True):
                 if request.hidden_states:
                     result.hidden_states = rows.to("cpu").clone()
             self._head_outputs(model, batch, states, results)
             return results
+
+    def _text_states(self, batch: list[EngineRequest], results: list[EngineResult]) -> list[torch.Tensor]:
+        """Rows of hidden states for text-only requests: one padded pass of the decoder body,
+        shared prompts from their cached KV (torch_prefix) when prompt reuse is on."""
+        body = self._model.get_decoder()
+        if self._prefix is None:
+            return self._padded_pass(body, batch, False)[0]
+        states, reused = self._prefix.states(body, batch, self._padded_pass)
+        for result, tokens in zip(results, reused, strict=True):
+            result.prompt_reused_tokens = tokens
+        return states
 
     def _padded_pass(self, body, batch: list[EngineRequest], keep_cache: bool) -> tuple[list[torch.Tensor], object]:
         """One right-padded pass of the decoder body: each request's rows first_row..T-1 of
