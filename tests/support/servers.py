@@ -78,11 +78,14 @@ class SubprocessServer:
     output keeps being collected in `log` (replica processes log their pids there).
     """
 
-    def __init__(self, args: list[str], *, startup_timeout: float = 240) -> None:
+    def __init__(self, args: list[str], *, startup_timeout: float = 240, command: list[str] | None = None) -> None:
+        """`command` replaces `proctor serve ... args` (a script that serves a router of its own
+        and prints the same first line)."""
         import httpx
 
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "proctor.server.cli", "serve", "--grpc-port", "0", "--http-port", "0", *args],
+            command or [sys.executable, "-m", "proctor.server.cli", "serve", "--grpc-port", "0", "--http-port", "0",
+                        *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

@@ -1,0 +1,238 @@
+"""CPU per scored token of the server's front process and of its replica workers.
+
+One run prints, for the vLLM and the torch engine, over gRPC and HTTP protobuf, for log-probs,
+top-8, top-64 and hidden states: the CPU seconds per million scored tokens (= µs a token) of
+  front   the `proctor serve` process itself (listeners, admission, routing, batching, answers)
+  worker  each replica worker's own Python (its engine and the encoding of results; vLLM's
+          EngineCore and its workers, the worker's children, are excluded)
+and, for hidden states, the bytes the front moves per second of its own CPU. A scored token is
+a row of the answer (sequences are sent without a prompt_length, so every row but row 0 is one).
+
+Then the capacity figure: a front with N replica workers of an instant engine (the torch
+engine's answer to one sequence, computed once and replayed: `support.engines.RememberingEngine`)
+fed top-64 requests as fast as the clients go; the front's CPU per token and its sustained
+tokens/s, i.e. how many replicas of what prefill rate one front feeds.
+
+CPU time, unlike wall time, does not depend much on what else the machine runs, which is why
+this bench reads it (`psutil`'s user + system time of each process, before and after).
+
+    .venv/bin/python bench/front_cpu.py [--engines vllm,torch] [--transports grpc,http] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from support.servers import SubprocessServer
+
+MODES = {
+    "logprobs": {"logprobs": True, "topk": 0},
+    "top-8": {"logprobs": True, "topk": 8},
+    "top-64": {"logprobs": True, "topk": 64},
+    "hidden": {"logprobs": False, "hidden_states": True},
+}
+WORKER_MODULE = "proctor.server.engines.engine_host"
+
+
+def cpu_seconds(proc: psutil.Process) -> float:
+    times = proc.cpu_times()
+    return times.user + times.system
+
+
+def workers_of(front: psutil.Process) -> list[psutil.Process]:
+    """The front's replica workers (engine host processes); their own children are not counted."""
+    return [p for p in front.children() if WORKER_MODULE in " ".join(p.cmdline())]
+
+
+class CpuMeter:
+    """CPU seconds of the front and of its workers between `start()` and `stop()`."""
+
+    def __init__(self, front_pid: int) -> None:
+        self.front = psutil.Process(front_pid)
+
+    def start(self) -> None:
+        self.workers = workers_of(self.front)
+        self._front0 = cpu_seconds(self.front)
+        self._workers0 = [cpu_seconds(w) for w in self.workers]
+
+    def stop(self) -> tuple[float, float]:
+        front = cpu_seconds(self.front) - self._front0
+        workers = sum(cpu_seconds(w) - c for w, c in zip(self.workers, self._workers0, strict=True))
+        return front, workers
+
+
+async def drive(target: str, seqs: list[list[int]], mode: dict, concurrency: int) -> tuple[int, int]:
+    """Score every sequence (no prompt_length: rows 1..T-1); (rows answered, hidden-state bytes)."""
+    from proctor.client import TeacherClient
+
+    rows = hidden_bytes = 0
+    async with TeacherClient(target, max_concurrency=concurrency, timeout=600) as client:
+        queue = list(seqs)
+
+        async def one_client() -> None:
+            nonlocal rows, hidden_bytes
+            while queue:
+                ids = queue.pop()
+                if mode.get("hidden_states"):
+                    answer = await client.stream_hidden_states(ids, logprobs=False)
+                    hidden_bytes += answer.hidden_states.numel() * answer.hidden_states.element_size()
+                else:
+                    answer = await client.score(ids, **mode)
+                rows += answer.num_rows
+
+        await asyncio.gather(*(one_client() for _ in range(concurrency)))
+    return rows, hidden_bytes
+
+
+def measure(server: SubprocessServer, seqs: list[list[int]], transports: list[str], concurrency: int):
+    targets = {"grpc": f"grpc://{server.grpc_target}", "http": server.http_url}
+    meter = CpuMeter(server.proc.pid)
+    for transport in transports:
+        for label, mode in MODES.items():
+            asyncio.run(drive(targets[transport], seqs[:2], mode, 2))  # warm this mode up
+            meter.start()
+            started = time.perf_counter()
+            rows, hidden_bytes = asyncio.run(drive(targets[transport], seqs, mode, concurrency))
+            wall = time.perf_counter() - started
+            front, workers = meter.stop()
+            yield transport, label, rows, front, workers, hidden_bytes, wall, len(meter.workers)
+
+
+def report_engines(args, model: Path, vocab: int) -> None:
+    rng = random.Random(0)
+    seqs = [[rng.randrange(3, vocab) for _ in range(args.length)] for _ in range(args.seqs)]
+    print(f"\n{args.seqs} sequences x {args.length} tokens, {args.concurrency} concurrent calls; "
+          "CPU seconds per million scored tokens (= µs a token)")
+    print(f"{'engine':<7} {'transport':<9} {'mode':<9} {'front':>8} {'worker':>8} {'workers':>7} "
+          f"{'front GB/CPU-s':>15} {'tokens/s':>9}")
+    for engine in args.engines.split(","):
+        flags = ["--engine", engine, "--model", str(model), "--max-model-len", str(args.length + 8),
+                 "--replicas", str(args.replicas), "--no-verbose"]
+        if engine == "vllm":
+            flags += ["--inference", "gpu_memory_utilization=0.12", "--inference",
+                      f"max_num_batched_tokens={max(8192, args.length * 4)}"]
+        server = SubprocessServer(flags, startup_timeout=600)
+        try:
+            for transport, label, rows, front, workers, hidden, wall, count in measure(
+                server, seqs, args.transports.split(","), args.concurrency
+            ):
+                rate = f"{hidden / front / 1e9:>15.2f}" if hidden else f"{'':>15}"
+                worker = f"{workers / rows * 1e6:>8.2f}" if count else f"{'-':>8}"
+                print(f"{engine:<7} {transport:<9} {label:<9} {front / rows * 1e6:>8.2f} {worker} {count:>7} "
+                      f"{rate} {rows / wall:>9.0f}", flush=True)
+        finally:
+            server.stop()
+
+
+TESTS = Path(__file__).resolve().parents[1] / "tests"
+
+
+async def serve_front(replicas: int, model: str) -> None:
+    """The front with `replicas` workers of the remembering engine (run as its own process)."""
+    from functools import partial
+
+    from proctor.server.engines import EngineSpec
+    from proctor.server.engines.subprocess_engine import SubprocessEngine
+    from proctor.server.routing import ReplicaSet, Router, engine_replica
+    from proctor.server.runtime import ProctorServer
+    from proctor.server.settings import ServerOptions
+
+    from support.remembering import RememberingEngine
+
+    spec = EngineSpec(name="torch", model_path=model, inference={"max_model_len": 1024})
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, (str(TESTS), os.environ.get("PYTHONPATH"))))}
+    build = [engine_replica(f"r{i}", partial(SubprocessEngine, spec, name=f"r{i}", build=RememberingEngine, env=env))
+             for i in range(replicas)]
+    options = ServerOptions(grpc_port=0, http_port=0)
+    server = ProctorServer(Router([ReplicaSet("default", build)]), options)
+    print(f"proctor: gRPC on {options.host}:{server.grpc_port}, HTTP on {options.host}:{server.http_port}", flush=True)
+    await server.serve_forever()
+
+
+async def flood(target: str, seqs: list[list[int]], requests: int, concurrency: int) -> None:
+    """`requests` top-64 calls over gRPC, answers kept as bytes (the client parses nothing)."""
+    import grpc
+
+    from proctor.proto import scoring_pb2
+
+    messages = [scoring_pb2.ScoreRequest(token_ids=ids, topk=64).SerializeToString() for ids in seqs]
+    async with grpc.aio.insecure_channel(target, options=[("grpc.max_receive_message_length", 64 << 20)]) as channel:
+        call = channel.unary_unary("/proctor.v1.TeacherScoring/Score")
+        left = list(range(requests))
+
+        async def one_client() -> None:
+            while left:
+                await call(messages[left.pop() % len(messages)])
+
+        await asyncio.gather(*(one_client() for _ in range(concurrency)))
+
+
+def report_capacity(args, model: Path) -> None:
+    rng = random.Random(1)
+    seqs = [[rng.randrange(3, 512) for _ in range(args.length)] for _ in range(8)]
+    rows = args.length - 1
+    print(f"\ncapacity: N replica workers of an instant engine (torch answers remembered), top-64, "
+          f"{args.length}-token sequences over gRPC, {args.capacity_requests} requests, 64 in flight")
+    print(f"{'replicas':>8} {'front µs/token':>15} {'worker µs/token':>16} {'tokens/s':>10} "
+          f"{'front-bound tokens/s per core':>30}")
+    for replicas in map(int, args.capacity_replicas.split(",")):
+        command = [sys.executable, __file__, "--serve-front", str(replicas), "--model", str(model)]
+        server = SubprocessServer([], command=command, startup_timeout=300)
+        try:
+            asyncio.run(flood(server.grpc_target, seqs, 16 * len(seqs), 16))  # every answer remembered
+            meter = CpuMeter(server.proc.pid)
+            meter.start()
+            started = time.perf_counter()
+            asyncio.run(flood(server.grpc_target, seqs, args.capacity_requests, 64))
+            wall = time.perf_counter() - started
+            front, workers = meter.stop()
+        finally:
+            server.stop()
+        tokens = args.capacity_requests * rows
+        print(f"{replicas:>8} {front / tokens * 1e6:>15.2f} {workers / tokens * 1e6:>16.2f} {tokens / wall:>10.0f} "
+              f"{tokens / front:>30.0f}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engines", default="vllm,torch")
+    parser.add_argument("--transports", default="grpc,http")
+    parser.add_argument("--seqs", type=int, default=64)
+    parser.add_argument("--length", type=int, default=500)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--replicas", type=int, default=1)
+    parser.add_argument("--capacity-replicas", default="1,2,4", help="comma-separated N for the capacity figure")
+    parser.add_argument("--capacity-requests", type=int, default=1024)
+    parser.add_argument("--quick", action="store_true", help="16 x 128 tokens, a smaller capacity run")
+    parser.add_argument("--serve-front", type=int, help=argparse.SUPPRESS)  # the capacity run's front process
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve_front:
+        asyncio.run(serve_front(args.serve_front, args.model))
+        return
+    if args.quick:
+        args.seqs, args.length, args.capacity_requests = 16, 128, 128
+    print(f"load average at start {os.getloadavg()[0]:.2f}; {os.cpu_count()} CPUs")
+    from proctor.server.tiny_model import make_tiny_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = make_tiny_model(Path(tmp) / "teacher", num_heads=2, num_kv_heads=1)
+        if args.engines:
+            report_engines(args, model, 512)
+        if args.capacity_replicas:
+            report_capacity(args, model)
+    print(f"\nload average at end {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""An instant engine for capacity measurements: the real torch engine's answers, remembered.
+
+The front's capacity is what it sustains when its replicas cost nothing, so the bench needs an
+engine that answers at once. This one scores each distinct request with the real torch engine
+the first time and replays that answer (in wire form, as a replica worker sends it) whenever
+the same request comes again: answers stay exact, and a bench that repeats its sequences
+measures the front alone. It runs inside replica workers (`SubprocessEngine(build=...)`).
+"""
+
+from __future__ import annotations
+
+from proctor.server.engines import EngineSpec, TeacherEngine, create_engine
+from proctor.server.engines.base import EngineInfo, EngineRequest, EngineResult, Outcome
+from proctor.server.engines.wire_result import EncodedResult, encode_result
+
+
+def _key(request: EngineRequest) -> tuple:
+    score_ids = request.score_ids.numpy().tobytes() if request.score_ids is not None else b""
+    return (request.token_ids.numpy().tobytes(), request.first_row, request.logprobs, request.topk,
+            request.hidden_states, request.temperature, score_ids)
+
+
+class RememberingEngine(TeacherEngine):
+    """The torch engine for `spec`, answering a request it has seen before from memory."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        self.inner = create_engine(spec)
+        self.answers: dict[tuple, EncodedResult] = {}
+        self.computed = 0  # requests the real engine scored
+
+    async def start(self) -> None:
+        await self.inner.start()
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+    def describe(self) -> EngineInfo:
+        return self.inner.describe()
+
+    def token_budget(self) -> int:
+        return self.inner.token_budget()
+
+    def unembedding(self):
+        return self.inner.unembedding()
+
+    async def score(self, batch: list[EngineRequest]) -> list[Outcome]:
+        new = [r for r in batch if _key(r) not in self.answers]
+        if new:
+            for request, outcome in zip(new, await self.inner.score(new), strict=True):
+                if not isinstance(outcome, EngineResult):
+                    return await self.inner.score(batch)  # not rememberable: answer as the engine does
+                self.answers[_key(request)] = encode_result(outcome)
+            self.computed += len(new)
+        return [self.answers[_key(r)] for r in batch]

@@ -1,0 +1,229 @@
+"""Replica workers: each replica's engine in a process of its own, the front moving bytes.
+
+Two real torch replicas behind one in-process server (the front), each in its own worker
+process (`engine_host`). Faults are real: SIGKILL or SIGSTOP of a worker's process, found by
+its pid. Answers are checked against the float64 reference while replicas fail under them, and
+the answer bytes the front splices are checked against the messages built field by field.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+
+import httpx
+import pytest
+import torch
+
+from proctor.proto import decode_tensor, encode_tensor, scoring_pb2
+from proctor.server.engines.base import EngineRequest, EngineResult
+from proctor.server.engines.host_protocol import dumps
+from proctor.server.engines.subprocess_engine import SubprocessEngine
+from proctor.server.engines.wire_result import EncodedResult, encode_result
+from proctor.server.metrics import Metrics
+from proctor.server.responses import Responses
+from proctor.server.routing import ReplicaState
+from proctor.server.service import ScoredRequest
+
+from support.reference import assert_matches_reference, reference_rows
+from support.scoring import grpc_score, logprobs_of, sequences
+from support.servers import start_server, wait_for
+
+HEALTH_INTERVAL_S = 0.5
+HEALTH_TIMEOUT_S = 2.0
+
+
+@pytest.fixture
+def two_workers(tiny_model_dir):
+    from proctor.server.config import single_teacher_router
+    from proctor.server.engines import EngineSpec
+
+    spec = EngineSpec(name="torch", model_path=str(tiny_model_dir), max_topk=64,
+                      inference={"health_timeout_s": HEALTH_TIMEOUT_S})
+    router = single_teacher_router(spec, name="tiny", replicas=2, health_check_interval_s=HEALTH_INTERVAL_S)
+    server = start_server(router)
+    yield server
+    server.stop()
+
+
+def _replicas(server):
+    return server.server.service.router.teachers["tiny"].replicas
+
+
+def _worker_pids(server) -> list[int]:
+    return [r.engine.pid for r in _replicas(server)]
+
+
+def test_each_torch_replica_runs_in_a_worker_process_of_its_own(two_workers, tiny_model_dir):
+    pids = _worker_pids(two_workers)
+    assert all(isinstance(r.engine, SubprocessEngine) for r in _replicas(two_workers))
+    assert len(set(pids)) == 2 and os.getpid() not in pids
+    ids = sequences(1, seed=3)[0]
+    answer = grpc_score(two_workers.grpc_target, ids, topk=5)
+    assert_matches_reference(logprobs_of(answer), tiny_model_dir, ids, atol=1e-5)
+
+
+def test_answers_through_workers_equal_the_reference_on_every_transport(two_workers, tiny_model_dir):
+    ids = sequences(1, seed=11, length=(30, 31))[0]
+    ref = reference_rows(tiny_model_dir, ids, first_row=4)
+    request = scoring_pb2.ScoreRequest(token_ids=ids, prompt_length=4, logprobs=True, topk=6, hidden_states=True)
+    body = httpx.post(two_workers.http_url + "/v1/score", content=request.SerializeToString(),
+                      headers={"content-type": "application/x-protobuf"}, timeout=60)
+    assert body.status_code == 200
+    answer = scoring_pb2.ScoreResponse.FromString(body.content)
+    assert (answer.first_row, answer.num_tokens, answer.teacher) == (4, len(ids), "tiny")
+    torch.testing.assert_close(decode_tensor(answer.logprobs).double(), ref.logprobs, rtol=0, atol=1e-5)
+    torch.testing.assert_close(decode_tensor(answer.topk_logprobs).double(), ref.topk(6)[1], rtol=0, atol=1e-5)
+    torch.testing.assert_close(decode_tensor(answer.hidden_states), ref.hidden_states, rtol=0, atol=1e-5)
+    assert answer.hidden_states.first_row == 4
+    as_json = httpx.post(two_workers.http_url + "/v1/score", json={"token_ids": ids, "prompt_length": 4, "topk": 6},
+                         timeout=60).json()
+    assert as_json["logprobs"][:4] == [None] * 4
+    torch.testing.assert_close(torch.tensor(as_json["logprobs"][4:]).double(), ref.logprobs, rtol=0, atol=1e-5)
+
+
+def _stop_all(pids: list[int]) -> None:
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+
+
+def test_a_worker_killed_mid_request_is_failed_over_and_restarted(two_workers, tiny_model_dir):
+    """Both workers are stopped with requests in them; one is SIGKILLed, the other resumed:
+    every request is answered exactly, and the killed replica comes back in a new process."""
+    replicas = _replicas(two_workers)
+    victim, survivor = replicas
+    old = _worker_pids(two_workers)
+    seqs = sequences(24, seed=5)
+    _stop_all(old)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(24) as pool:
+            futures = [pool.submit(grpc_score, two_workers.grpc_target, ids, request_id=str(i), timeout=120)
+                       for i, ids in enumerate(seqs)]
+            wait_for(lambda: all(r.batcher is not None and r.batcher.running_requests > 0 and r.outstanding_tokens
+                                 for r in replicas), timeout=30)
+            os.kill(old[0], signal.SIGKILL)
+            os.kill(old[1], signal.SIGCONT)
+            answers = [f.result(timeout=120) for f in futures]
+    finally:
+        for pid in old[1:]:
+            os.kill(pid, signal.SIGCONT)
+    for ids, answer in zip(seqs, answers, strict=True):
+        assert_matches_reference(logprobs_of(answer), tiny_model_dir, ids, atol=1e-5)
+    wait_for(lambda: victim.state is ReplicaState.HEALTHY and victim.engine is not None, timeout=60)
+    assert victim.failures >= 1 and victim.engine.pid != old[0]
+    assert survivor.engine.pid == old[1]
+    assert victim.served + survivor.served >= len(seqs)
+
+
+def test_a_hung_worker_is_detected_killed_and_restarted(two_workers, tiny_model_dir):
+    """SIGSTOP: the worker stops answering its health probe; it is killed (its stopped process
+    too), restarted in a new process, and requests sent meanwhile are answered by the other."""
+    victim = _replicas(two_workers)[0]
+    hung = victim.engine.pid
+    os.kill(hung, signal.SIGSTOP)
+    try:
+        seqs = sequences(8, seed=9)
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda ids: grpc_score(two_workers.grpc_target, ids, timeout=120), seqs))
+        for ids, answer in zip(seqs, answers, strict=True):
+            assert_matches_reference(logprobs_of(answer), tiny_model_dir, ids, atol=1e-5)
+        wait_for(lambda: victim.failures >= 1, timeout=30)
+        wait_for(lambda: victim.state is ReplicaState.HEALTHY and victim.engine is not None, timeout=60)
+        assert victim.engine.pid != hung
+        wait_for(lambda: not _alive(hung), timeout=15)  # the stopped process was killed, not left behind
+    finally:
+        if _alive(hung):
+            os.kill(hung, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+# -- the wire form of results -----------------------------------------------------------------
+
+
+def _result(hidden_dtype: torch.dtype = torch.bfloat16) -> EngineResult:
+    g = torch.Generator().manual_seed(0)
+    return EngineResult(
+        first_row=3,
+        logprobs=torch.randn(7, generator=g),
+        topk_ids=torch.randint(0, 500, (7, 4), generator=g, dtype=torch.int32),
+        topk_logprobs=torch.randn(7, 4, generator=g),
+        hidden_states=torch.randn(7, 5, generator=g).to(hidden_dtype),
+        ranks=torch.arange(1, 8),
+        engine_seconds=0.25,
+    )
+
+
+def test_an_encoded_result_reads_back_the_same_tensors():
+    result = _result()
+    encoded = encode_result(result)
+    assert isinstance(encoded, EncodedResult) and encode_result(encoded) is encoded
+    for name in ("logprobs", "topk_ids", "topk_logprobs", "hidden_states", "ranks"):
+        assert torch.equal(getattr(encoded, name), getattr(result, name)), name
+    assert encoded.score_logprobs is None
+    assert (encoded.first_row, encoded.engine_seconds) == (3, 0.25)
+
+
+def _scored(result) -> ScoredRequest:
+    return ScoredRequest("r-1", "tiny", "tiny-teacher", 10, result, "logprobs+topk")
+
+
+def _expected(result: EngineResult) -> scoring_pb2.ScoreResponse:
+    """The answer built field by field, as the server built it before splicing."""
+    first = result.first_row
+    return scoring_pb2.ScoreResponse(
+        request_id="r-1", teacher="tiny", model="tiny-teacher", num_tokens=10, first_row=first,
+        logprobs=encode_tensor(result.logprobs, first_row=first),
+        topk_ids=encode_tensor(result.topk_ids, first_row=first),
+        topk_logprobs=encode_tensor(result.topk_logprobs, first_row=first),
+        hidden_states=encode_tensor(result.hidden_states, first_row=first),
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_spliced_answer_bytes_are_the_message_built_field_by_field(dtype):
+    result = _result(dtype)
+    responses = Responses(Metrics())
+    spliced = scoring_pb2.ScoreResponse.FromString(responses.protobuf(_scored(encode_result(result))))
+    assert spliced == _expected(result)
+    # In-process engines' results take the same path.
+    assert scoring_pb2.ScoreResponse.FromString(responses.protobuf(_scored(result))) == _expected(result)
+
+
+def test_streamed_chunks_reassemble_the_hidden_rows_in_order():
+    result = _result(torch.float32)
+    row_bytes = 5 * 4
+    responses = Responses(Metrics(), chunk_bytes=2 * row_bytes)  # two rows a chunk: 4 chunks of hidden rows
+    chunks = [scoring_pb2.ScoreChunk.FromString(c) for c in responses.chunks(_scored(encode_result(result)))]
+    assert [c.last for c in chunks] == [False, False, False, False, True]
+    head = chunks[0].response
+    expected = _expected(result)
+    assert (head.request_id, head.first_row, head.logprobs, head.topk_ids) == (
+        "r-1", 3, expected.logprobs, expected.topk_ids)
+    pieces = [c.response.hidden_states for c in chunks[1:]]
+    assert [p.first_row for p in pieces] == [3, 5, 7, 9]
+    assert all(c.response.request_id == "r-1" for c in chunks[1:])
+    torch.testing.assert_close(torch.cat([decode_tensor(p) for p in pieces]), result.hidden_states, rtol=0, atol=0)
+
+
+def test_tensors_cross_the_worker_socket_as_raw_bytes():
+    import pickle
+
+    request = EngineRequest("a", torch.arange(100, dtype=torch.int64), first_row=1, logprobs=True, topk=0,
+                            hidden_states=False, score_ids=torch.full((99, 3), -1, dtype=torch.int64))
+    payload = dumps(("score", 1, [request]))
+    back = pickle.loads(payload)[2][0]
+    assert torch.equal(back.token_ids, request.token_ids) and back.token_ids.dtype == torch.int64
+    assert torch.equal(back.score_ids, request.score_ids)
+    back.token_ids[0] = 7  # writable, as sent
+    odd = torch.randn(4, 6).to(torch.bfloat16)[:, ::2]  # bf16, not contiguous
+    assert torch.equal(pickle.loads(dumps(odd)), odd)
+    assert len(dumps(torch.zeros(10_000, dtype=torch.int64))) < 10_000 * 8 + 200  # raw bytes, no torch.save zip
