@@ -40,6 +40,10 @@ class MetricsSink:
     def teacher_swapped(self, teacher: str) -> None:
         """A shared replica group copied this teacher's weights onto its devices."""
 
+    def prompt_reused(self, teacher: str, tokens: int) -> None:
+        """A request that prompt reuse applied to was scored: `tokens` of its prompt were not
+        recomputed (0: a miss, its prompt was computed)."""
+
 
 NULL_SINK = MetricsSink()
 
@@ -78,6 +82,15 @@ class Metrics(MetricsSink):
                                       ["teacher", "replica"], registry=r)
         self.teacher_swaps = Counter("proctor:teacher_swaps", "Teacher weights swapped onto devices.",
                                      ["teacher"], registry=r)
+        self.prompt_reuse_tokens = Counter("proctor:prompt_reuse_tokens",
+                                           "Prompt tokens not recomputed: shared with an earlier request.",
+                                           ["teacher"], registry=r)
+        self.prompt_reuse_hits = Counter("proctor:prompt_reuse_hits",
+                                         "Requests whose prompt was found computed (shared prompts).",
+                                         ["teacher"], registry=r)
+        self.prompt_reuse_misses = Counter("proctor:prompt_reuse_misses",
+                                           "Requests prompt reuse applied to whose prompt was computed.",
+                                           ["teacher"], registry=r)
 
     # -- the sink --------------------------------------------------------------------------
     def replica_state(self, teacher: str, replica: str, healthy: bool) -> None:
@@ -102,6 +115,10 @@ class Metrics(MetricsSink):
 
     def teacher_swapped(self, teacher: str) -> None:
         self.teacher_swaps.labels(teacher).inc()
+
+    def prompt_reused(self, teacher: str, tokens: int) -> None:
+        (self.prompt_reuse_hits if tokens > 0 else self.prompt_reuse_misses).labels(teacher).inc()
+        self.prompt_reuse_tokens.labels(teacher).inc(tokens)
 
     # -- the service's own counts ----------------------------------------------------------
     def request_done(self, teacher: str, mode: str, outcome: str) -> None:

@@ -194,3 +194,36 @@ class PromptCache(Generic[V]):
                 return
             self._drop(oldest_key)
             self.stats.evictions += 1
+
+
+class PromptAffinity:
+    """The front's memory of which replica a prompt was last sent to, so that the members of a group
+    go where its prompt is kept (each replica keeps its own cache) unless that replica is busier
+    than the least loaded one by more than a batch. Bounded: `max_entries` LRU, the cache's TTL."""
+
+    def __init__(self, settings: ReuseSettings, *, max_entries: int = 65536,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.settings = settings
+        self.max_entries = max_entries
+        self.clock = clock
+        self._where: OrderedDict[bytes, tuple[str, float]] = OrderedDict()
+
+    def key(self, request: EngineRequest) -> bytes | None:
+        """The request's prompt key when reuse applies to it, else None (no affinity)."""
+        return prompt_key(request) if self.settings.applies(request) else None
+
+    def replica_of(self, key: bytes) -> str | None:
+        found = self._where.get(key)
+        if found is None:
+            return None
+        replica, at = found
+        if self.clock() - at >= self.settings.ttl_s:
+            del self._where[key]
+            return None
+        return replica
+
+    def remember(self, key: bytes, replica: str) -> None:
+        self._where[key] = (replica, self.clock())
+        self._where.move_to_end(key)
+        while len(self._where) > self.max_entries:
+            self._where.popitem(last=False)

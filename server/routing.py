@@ -39,6 +39,7 @@ from proctor.server.engines.base import (
 )
 from proctor.server.errors import NOT_READY_RETRY_S, Code, ScoringError
 from proctor.server.metrics import NULL_SINK, MetricsSink
+from proctor.server.prompt_reuse import PromptAffinity, ReuseSettings
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +138,8 @@ class Replica:
             self.outstanding_tokens -= request.num_tokens
         self.served += 1
         self.sink.replica_scored(self.teacher, self.replica_id)
+        if result.prompt_reused_tokens is not None:
+            self.sink.prompt_reused(self.teacher, result.prompt_reused_tokens)
         return result
 
 
@@ -162,7 +165,9 @@ class ReplicaSet:
     `policy` picks a replica: "least_outstanding" (the default) sends each request to the
     healthy replica with the fewest tokens queued or running, so a slow or busy replica
     gets less; "round_robin" cycles through healthy replicas regardless of load (kept for
-    comparison: `bench/routing_bench.py`).
+    comparison: `bench/routing_bench.py`). With several replicas, a request whose prompt was sent to
+    a replica recently goes there again unless it is busier than the least loaded by more than a
+    batch (`PromptAffinity`: each replica keeps its own shared prompts).
     """
 
     def __init__(
@@ -175,6 +180,7 @@ class ReplicaSet:
         policy: str = "least_outstanding",
         health_check_interval_s: float | None = 5.0,
         swap_groups: tuple[Any, ...] = (),
+        prompt_reuse: ReuseSettings | None = None,
     ) -> None:
         if not replicas:
             raise ValueError(f"teacher {name!r} has no replicas")
@@ -194,6 +200,8 @@ class ReplicaSet:
         self._info: EngineInfo | None = None
         self._rr = 0
         self._sweeper: asyncio.Task | None = None
+        reuse = prompt_reuse or ReuseSettings()
+        self.affinity = PromptAffinity(reuse) if reuse.enabled and len(replicas) > 1 else None
 
     def use_metrics(self, sink: MetricsSink) -> None:
         """Report this teacher's events (its replicas', its swap groups') to `sink`."""
@@ -235,8 +243,9 @@ class ReplicaSet:
         self.sink.replica_state(self.name, replica.replica_id, replica.state is ReplicaState.HEALTHY)
 
     # -- routing and failover --------------------------------------------------------------
-    def pick(self, exclude: set[str]) -> Replica | None:
-        """The next healthy replica by the teacher's policy, skipping those already tried."""
+    def pick(self, exclude: set[str], prefer: str | None = None) -> Replica | None:
+        """The next healthy replica by the teacher's policy, skipping those already tried; `prefer`
+        (the replica holding the request's prompt) unless it is a batch busier than the least loaded."""
         candidates = [r for r in self.healthy() if r.replica_id not in exclude]
         if not candidates:
             return None
@@ -244,14 +253,19 @@ class ReplicaSet:
             self._rr += 1
             return candidates[self._rr % len(candidates)]
         # Least outstanding tokens; ties go to the replica that has served fewest.
-        return min(candidates, key=lambda r: (r.load, r.served))
+        best = min(candidates, key=lambda r: (r.load, r.served))
+        held = next((r for r in candidates if r.replica_id == prefer), None)
+        if held is not None and held.engine is not None and held.load <= best.load + held.engine.token_budget():
+            return held
+        return best
 
     async def score(self, request: EngineRequest) -> EngineResult:
         """Score on a healthy replica; a replica failure moves the request to another one."""
         tried: set[str] = set()
         last_error: Exception | None = None
+        prompt = self.affinity.key(request) if self.affinity is not None else None
         while True:
-            replica = self.pick(tried)
+            replica = self.pick(tried, self.affinity.replica_of(prompt) if prompt is not None else None)
             if replica is None:
                 if last_error is not None:
                     raise ScoringError(
@@ -265,6 +279,8 @@ class ReplicaSet:
                     retry_after=self.retry_hint(),
                 )
             tried.add(replica.replica_id)
+            if prompt is not None:  # the group's next members follow this one (retries move it)
+                self.affinity.remember(prompt, replica.replica_id)
             try:
                 result = await replica.score(request)
             except (asyncio.CancelledError, ScoringError):

@@ -13,6 +13,7 @@ from pathlib import Path
 from proctor.server.config.plan import ServingPlan, load_plan
 from proctor.server.engines import EngineSpec
 from proctor.server.pool import ReplicaGroupPlan
+from proctor.server.prompt_reuse import ReuseSettings
 
 if typing.TYPE_CHECKING:
     from proctor.server.routing import Router
@@ -82,6 +83,7 @@ def build_router(plan: ServingPlan) -> Router:
                     policy=server.routing_policy,
                     health_check_interval_s=server.health_check_interval_s,
                     swap_groups=tuple({id(g): g for g in swap_groups.values() if name in g.specs}.values()),
+                    prompt_reuse=ReuseSettings.from_inference(resolved.spec.inference),
                 )
             )
     except BaseException:  # nothing will own the pool's placement groups: release them now
@@ -135,4 +137,5 @@ def single_teacher_router(
 
     ids = [f"{name}-{i}" for i in range(replicas)]
     replica_set = [engine_replica(i, partial(create_replica_engine, spec, name=i)) for i in ids]
-    return Router([ReplicaSet(name, replica_set, health_check_interval_s=health_check_interval_s)])
+    reuse = ReuseSettings.from_inference(spec.inference)
+    return Router([ReplicaSet(name, replica_set, health_check_interval_s=health_check_interval_s, prompt_reuse=reuse)])
