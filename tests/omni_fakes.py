@@ -137,6 +137,7 @@ class FakeAsyncOmni:
     monitor_detects_death = False
     step_s = 0.005
     stage_max_model_len: int | None = None  # the stage's own limit, when it differs from the file's
+    image_tokens = 0  # tokens the stage's processor makes of each IMAGE placeholder (0: none added)
     instances: ClassVar[list[FakeAsyncOmni]] = []
 
     def __init__(self, model: str = "", *, deploy_config: str | None = None, stage_configs_path: str | None = None,
@@ -215,6 +216,7 @@ class FakeAsyncOmni:
             ids = list(prompt["prompt_token_ids"])
             self.received_prompts.append(prompt)
             self._process_inputs(ids, prompt)
+            ids = self._expand_placeholders(ids)
             self._cmd_q.put(("add", internal, ids))
             while True:
                 msg = await state.queue.get()
@@ -256,6 +258,13 @@ class FakeAsyncOmni:
                 "input placeholder tokens (e.g., `<image>`, `<|image_pad|>`) in the prompt."
             )
 
+    def _expand_placeholders(self, ids: list[int]) -> list[int]:
+        """vLLM's prompt updates on a token prompt: each IMAGE token becomes the image's
+        `image_tokens` placeholder tokens (0: the fake leaves the ids as sent)."""
+        if not self.image_tokens:
+            return ids
+        return [t for token in ids for t in ([token] * self.image_tokens if token == IMAGE else [token])]
+
     async def abort(self, request_id: str | list[str]) -> None:
         wanted = {request_id} if isinstance(request_id, str) else set(request_id)
         internal = [rid for rid, s in self.request_states.items() if s.external in wanted]
@@ -294,7 +303,7 @@ def _output(request_id: str, ids: list[int], topk: int, output_type: str | None,
     if output_type not in (None, "text"):
         payload = {output_type: torch.arange(len(ids) * HIDDEN, dtype=torch.float32).reshape(len(ids), HIDDEN)}
     completion = SimpleNamespace(multimodal_output=payload, finish_reason=finish_reason, token_ids=[1])
-    request_output = SimpleNamespace(prompt_logprobs=flat if finish_reason != "abort" else None,
+    request_output = SimpleNamespace(prompt_logprobs=flat if finish_reason != "abort" else None, prompt_token_ids=ids,
                                      outputs=[completion], multimodal_output=None)
     return SimpleNamespace(request_id=request_id, stage_id=0, final_output_type="text", request_output=request_output)
 

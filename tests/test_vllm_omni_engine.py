@@ -207,6 +207,35 @@ async def test_omni_engine_scores_decoded_media_through_the_stage(model_dir):
         await engine.close()
 
 
+async def test_omni_engine_collapses_placeholder_runs_and_checks_the_stages_expansion(tmp_path):
+    """A checkpoint whose config names its image placeholder: each run goes to the stage as one
+    token, the stage's processor expands it again (3 tokens an image here, as vLLM's prompt
+    updates do), and the answer is used only when that expansion is the ids sent."""
+    from PIL import Image
+
+    thinker = {"text_config": {"hidden_size": 4, "vocab_size": 128, "max_position_embeddings": 64,
+                               "num_attention_heads": 1},
+               "vision_config": {"spatial_merge_size": 2}, "image_token_index": IMAGE}
+    (tmp_path / "config.json").write_text(json.dumps({"thinker_config": thinker}))
+    engine = await _started(tmp_path, omni_cls=fake_omni(image_tokens=3))
+    try:
+        assert engine.describe().media == ("images",)  # the config names no video or audio token
+        media = MultiModalInputs(images=(MediaItem(b"x", "image/png"),), decoded={"image": [Image.new("RGB", (2, 2))]})
+        aligned = _request("aligned", ids=(3, IMAGE, IMAGE, IMAGE, 4, 5), first_row=4, media=media)
+        short = _request("short", ids=(3, IMAGE, IMAGE, 4, 5), media=media)
+        two_runs = _request("two_runs", ids=(3, IMAGE, 4, IMAGE, 5), media=media)
+        ok, bad_length, bad_count = await asyncio.wait_for(engine.score([aligned, short, two_runs]), BOUND_S)
+        assert ok.logprobs.tolist() == [-4.0, -5.0]  # rows 4 and 5 of the 6-token expanded prompt
+        sent = [p["prompt_token_ids"] for p in engine._omni.received_prompts]
+        assert [3, IMAGE, 4, 5] in sent and [3, IMAGE, IMAGE, 4, 5] not in sent
+        assert isinstance(bad_length, RequestRejected) and bad_length.field == "images[0]"
+        assert "has 2 tokens" in bad_length.message and "makes 3" in bad_length.message
+        assert isinstance(bad_count, RequestRejected) and bad_count.field == "token_ids"
+        assert all(p["prompt_token_ids"] != [3, IMAGE, 4, IMAGE, 5] for p in engine._omni.received_prompts)
+    finally:
+        await engine.close()
+
+
 def _fake_omni_output(ids, hidden_chunks, k=2, key="latent", on_completion=True):
     """An OmniRequestOutput-shaped object: request_output.prompt_logprobs + multimodal_output."""
     from vllm.logprobs import FlatLogprobs

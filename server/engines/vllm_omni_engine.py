@@ -91,6 +91,7 @@ from proctor.server.engines.base import (
     RequestRejected,
 )
 from proctor.server.engines.checks import check_vllm_settings
+from proctor.server.engines.multimodal import decoded_media
 from proctor.server.engines.omni_config import (
     ENGINE,
     config_schema,
@@ -107,6 +108,7 @@ from proctor.server.engines.vllm_args import (
     scoring_sampling_kwargs,
 )
 from proctor.server.engines.vllm_common import VllmFamilyEngine
+from proctor.server.engines.vllm_media import VllmMedia
 
 log = logging.getLogger(__name__)
 
@@ -120,18 +122,17 @@ ABORT_TIMEOUT_S = 10.0
 STARTUP_GRACE_S = 5.0
 
 
-def build_prompt(request: EngineRequest) -> dict[str, Any]:
+def build_prompt(request: EngineRequest, media_rule: VllmMedia | None = None) -> dict[str, Any]:
     """The TokensPrompt (a dict) for one request: ids, media as the service decoded it, processor
-    kwargs as sent. Bytes are decoded here only for a request that skipped the service."""
+    kwargs as sent. With the model's placeholder rule (`vllm_media`; a checkpoint whose config
+    names its placeholder tokens) each placeholder run is collapsed for the stage's processor to
+    expand again; without one the ids go as sent and only their length is checked afterwards."""
+    if media_rule is not None and media_rule.kinds:
+        return media_rule.token_prompt(request)
     prompt: dict[str, Any] = {"prompt_token_ids": request.token_ids.tolist()}
     media = request.media
     if media:
-        if media.decoded is not None:
-            prompt["multi_modal_data"] = media.decoded
-        else:
-            from proctor.server.media import multi_modal_data
-
-            prompt["multi_modal_data"] = multi_modal_data(media)
+        prompt["multi_modal_data"] = decoded_media(request)
         if media.processor_kwargs:
             prompt["mm_processor_kwargs"] = dict(media.processor_kwargs)
     return prompt
@@ -194,6 +195,8 @@ class VllmOmniEngine(VllmFamilyEngine):
         self.head_names = self.pipeline.head_names
         self.embed_names = self.pipeline.embed_names
         self._omni: Any = None
+        self._media = VllmMedia(spec.model_path)
+        self.media_kinds = self._media.kinds or self.media_kinds  # what the Thinker's towers take
         self._stage_dir: tempfile.TemporaryDirectory | None = None
         self._stage_procs: dict[int, Any] = {}
         self._dead: str | None = None
@@ -419,7 +422,7 @@ class VllmOmniEngine(VllmFamilyEngine):
     async def _final_output(self, request: EngineRequest, engine_id: str) -> Any:
         final = None
         async for output in self._omni.generate(
-            build_prompt(request), engine_id, sampling_params_list=[self.sampling_params(request.topk)]
+            build_prompt(request, self._media), engine_id, sampling_params_list=[self.sampling_params(request.topk)]
         ):
             final = output
         return final
@@ -432,7 +435,12 @@ class VllmOmniEngine(VllmFamilyEngine):
         if completions and getattr(completions[0], "finish_reason", None) == "abort":
             raise asyncio.CancelledError  # 0.30.0's terminal abort output: an aborted request
         positions = getattr(out, "prompt_logprobs", None)
-        if request.media and positions is not None and len(positions) != request.num_tokens:
+        if request.media and self._media.kinds:  # the stage's expansion must be the ids sent
+            try:
+                self._media.check_expansion(request, getattr(out, "prompt_token_ids", None))
+            except RequestRejected as problem:
+                return problem
+        elif request.media and positions is not None and len(positions) != request.num_tokens:
             return RequestRejected(
                 "token_ids",
                 f"the processor expanded the prompt to {len(positions)} tokens from {request.num_tokens}: "
