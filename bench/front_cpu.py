@@ -110,8 +110,8 @@ def measure(server: SubprocessServer, seqs: list[list[int]], transports: list[st
 
 def report_engines(args, model: Path, vocab: int) -> None:
     rng = random.Random(0)
-    seqs = [[rng.randrange(3, vocab) for _ in range(args.length)] for _ in range(args.seqs)]
-    print(f"\n{args.seqs} sequences x {args.length} tokens, {args.concurrency} concurrent calls; "
+    seqs = [[rng.randrange(3, vocab) for _ in range(args.length)] for _ in range(args.seqs)] * args.rounds
+    print(f"\n{args.seqs} sequences x {args.length} tokens, {args.rounds} rounds, {args.concurrency} concurrent calls; "
           "CPU seconds per million scored tokens (= µs a token)")
     print(f"{'engine':<7} {'transport':<9} {'mode':<9} {'front':>8} {'worker':>8} {'workers':>7} "
           f"{'front GB/CPU-s':>15} {'tokens/s':>9}")
@@ -159,25 +159,53 @@ async def serve_front(replicas: int, model: str) -> None:
     await server.serve_forever()
 
 
-async def flood(target: str, seqs: list[list[int]], requests: int, concurrency: int) -> None:
-    """`requests` top-64 calls over gRPC, answers kept as bytes (the client parses nothing)."""
+async def flood(target: str, seqs: list[list[int]], requests: int, concurrency: int, *, hidden: bool = False) -> int:
+    """`requests` calls over gRPC (top-64, or hidden states through ScoreStream), answers kept as
+    bytes (the client parses nothing); the bytes answered."""
     import grpc
 
     from proctor.proto import scoring_pb2
 
-    messages = [scoring_pb2.ScoreRequest(token_ids=ids, topk=64).SerializeToString() for ids in seqs]
+    asked = {"logprobs": False, "hidden_states": True} if hidden else {"topk": 64}
+    messages = [scoring_pb2.ScoreRequest(token_ids=ids, **asked).SerializeToString() for ids in seqs]
+    received = 0
     async with grpc.aio.insecure_channel(target, options=[("grpc.max_receive_message_length", 64 << 20)]) as channel:
-        call = channel.unary_unary("/proctor.v1.TeacherScoring/Score")
+        unary = channel.unary_unary("/proctor.v1.TeacherScoring/Score")
+        stream = channel.unary_stream("/proctor.v1.TeacherScoring/ScoreStream")
         left = list(range(requests))
 
         async def one_client() -> None:
+            nonlocal received
             while left:
-                await call(messages[left.pop() % len(messages)])
+                message = messages[left.pop() % len(messages)]
+                if hidden:
+                    async for chunk in stream(message):
+                        received += len(chunk)
+                else:
+                    received += len(await unary(message))
 
         await asyncio.gather(*(one_client() for _ in range(concurrency)))
+    return received
 
 
-def report_capacity(args, model: Path) -> None:
+def capacity_run(model: Path, replicas: int, seqs: list[list[int]], requests: int, *, hidden: bool = False):
+    """(front CPU s, workers' CPU s, wall s, bytes answered) of `requests` calls to a fresh front."""
+    command = [sys.executable, __file__, "--serve-front", str(replicas), "--model", str(model)]
+    server = SubprocessServer([], command=command, startup_timeout=300)
+    try:
+        asyncio.run(flood(server.grpc_target, seqs, 16 * len(seqs), 16, hidden=hidden))  # every answer remembered
+        meter = CpuMeter(server.proc.pid)
+        meter.start()
+        started = time.perf_counter()
+        received = asyncio.run(flood(server.grpc_target, seqs, requests, 64 if not hidden else 16, hidden=hidden))
+        wall = time.perf_counter() - started
+        front, workers = meter.stop()
+    finally:
+        server.stop()
+    return front, workers, wall, received
+
+
+def report_capacity(args, model: Path, wide: Path) -> None:
     rng = random.Random(1)
     seqs = [[rng.randrange(3, 512) for _ in range(args.length)] for _ in range(8)]
     rows = args.length - 1
@@ -186,21 +214,18 @@ def report_capacity(args, model: Path) -> None:
     print(f"{'replicas':>8} {'front µs/token':>15} {'worker µs/token':>16} {'tokens/s':>10} "
           f"{'front-bound tokens/s per core':>30}")
     for replicas in map(int, args.capacity_replicas.split(",")):
-        command = [sys.executable, __file__, "--serve-front", str(replicas), "--model", str(model)]
-        server = SubprocessServer([], command=command, startup_timeout=300)
-        try:
-            asyncio.run(flood(server.grpc_target, seqs, 16 * len(seqs), 16))  # every answer remembered
-            meter = CpuMeter(server.proc.pid)
-            meter.start()
-            started = time.perf_counter()
-            asyncio.run(flood(server.grpc_target, seqs, args.capacity_requests, 64))
-            wall = time.perf_counter() - started
-            front, workers = meter.stop()
-        finally:
-            server.stop()
+        front, workers, wall, _ = capacity_run(model, replicas, seqs, args.capacity_requests)
         tokens = args.capacity_requests * rows
         print(f"{replicas:>8} {front / tokens * 1e6:>15.2f} {workers / tokens * 1e6:>16.2f} {tokens / wall:>10.0f} "
               f"{tokens / front:>30.0f}", flush=True)
+    requests = max(16, args.capacity_requests // 4)
+    front, _, wall, received = capacity_run(wide, 1, seqs, requests, hidden=True)
+    print(f"hidden states through the front (ScoreStream, a {WIDE_HIDDEN}-wide float32 teacher: "
+          f"{WIDE_HIDDEN * 4} bytes a row, {requests} requests): {received / front / 1e9:.2f} GB per front CPU-second, "
+          f"{received / wall / 1e9:.2f} GB/s wall", flush=True)
+
+
+WIDE_HIDDEN = 2048
 
 
 def main() -> None:
@@ -209,6 +234,8 @@ def main() -> None:
     parser.add_argument("--transports", default="grpc,http")
     parser.add_argument("--seqs", type=int, default=64)
     parser.add_argument("--length", type=int, default=500)
+    parser.add_argument("--rounds", type=int, default=4, help="times each sequence is sent per measurement "
+                        "(CPU times tick in 10 ms: more tokens, finer figures)")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--replicas", type=int, default=1)
     parser.add_argument("--capacity-replicas", default="1,2,4", help="comma-separated N for the capacity figure")
@@ -221,16 +248,18 @@ def main() -> None:
         asyncio.run(serve_front(args.serve_front, args.model))
         return
     if args.quick:
-        args.seqs, args.length, args.capacity_requests = 16, 128, 128
+        args.seqs, args.length, args.rounds, args.capacity_requests = 16, 128, 1, 128
     print(f"load average at start {os.getloadavg()[0]:.2f}; {os.cpu_count()} CPUs")
     from proctor.server.tiny_model import make_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model = make_tiny_model(Path(tmp) / "teacher", num_heads=2, num_kv_heads=1)
+        wide = make_tiny_model(Path(tmp) / "wide", hidden_size=WIDE_HIDDEN, num_layers=1, num_heads=WIDE_HIDDEN // 64,
+                               num_kv_heads=1, intermediate_size=WIDE_HIDDEN)
         if args.engines:
             report_engines(args, model, 512)
         if args.capacity_replicas:
-            report_capacity(args, model)
+            report_capacity(args, model, wide)
     print(f"\nload average at end {os.getloadavg()[0]:.2f}")
 
 

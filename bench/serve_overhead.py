@@ -87,10 +87,16 @@ WORKLOADS = {
 }
 
 
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process and its threads, from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def _cpu_seconds(pid: int) -> tuple[float, float]:
+    """User + system CPU seconds of the server's front process and of its replica workers."""
+    import psutil
+
+    def used(proc: psutil.Process) -> float:
+        times = proc.cpu_times()
+        return times.user + times.system
+
+    front = psutil.Process(pid)
+    return used(front), sum(used(child) for child in front.children())
 
 
 def run_workload(name: str, requests: int, length: int, hidden: int, layers: int, vocab: int, args) -> None:
@@ -101,9 +107,11 @@ def run_workload(name: str, requests: int, length: int, hidden: int, layers: int
     tokens = requests * length
     server = SubprocessServer(["--model", str(model), "--max-model-len", str(length + 8), "--no-verbose"])
     try:
-        server_cpu, client_cpu = _cpu_seconds(server.proc.pid), time.process_time()
+        (front_cpu, worker_cpu), client_cpu = _cpu_seconds(server.proc.pid), time.process_time()
         batched = asyncio.run(through_grpc(server.grpc_target, seqs, args.topk, args.concurrency))
-        server_cpu, client_cpu = _cpu_seconds(server.proc.pid) - server_cpu, time.process_time() - client_cpu
+        front_after, worker_after = _cpu_seconds(server.proc.pid)
+        front_cpu, worker_cpu = front_after - front_cpu, worker_after - worker_cpu
+        client_cpu = time.process_time() - client_cpu
         serial = asyncio.run(through_grpc(server.grpc_target, seqs, args.topk, 1))
     finally:
         server.stop()
@@ -116,7 +124,8 @@ def run_workload(name: str, requests: int, length: int, hidden: int, layers: int
                            ("C gRPC, serial single requests", serial)):
         print(f"{label:<44} {seconds:>9.3f} {tokens / seconds:>10.0f}")
     print(f"B / A throughput (service vs in-process; goal >= 0.9): {direct / batched:.2f}")
-    print(f"   CPU seconds during B: server {server_cpu:.2f}, benchmark client {client_cpu:.2f} "
+    print(f"   CPU seconds during B: server front {front_cpu:.2f}, its replica worker {worker_cpu:.2f}, "
+          f"benchmark client {client_cpu:.2f} "
           f"(the client shares the machine's {os.cpu_count()} cores with the server)")
     print(f"B / C throughput (batched vs serial; goal >= 3):      {serial / batched:.2f}")
 

@@ -83,6 +83,7 @@ class EngineActor:
         import os
 
         from proctor.server.engines import create_engine
+        from proctor.server.engines.engine_host import prepare_worker
 
         if spec.placement_group is not None:
             # The actor of a spanning replica holds no device, and Ray hides every device from
@@ -91,6 +92,7 @@ class EngineActor:
                 if os.environ.get(name) == "":
                     os.environ.pop(name)
         self.spec = spec
+        prepare_worker(spec)
         self.engine = create_engine(spec)
 
     async def start(self) -> tuple[EngineInfo, int]:
