@@ -137,3 +137,15 @@ def test_settings_are_read_and_checked():
         with pytest.raises(ReuseSettingError, match=next(iter(bad))):
             ReuseSettings.from_inference(bad)
     assert isinstance(TorchPrefix(ReuseSettings()).cache, PromptCache)
+
+
+def test_the_config_schema_declares_the_settings():
+    from pydantic import ValidationError
+
+    from proctor.server.config.schema import InferenceConfig
+
+    block = InferenceConfig(prompt_reuse=False, prompt_reuse_min_tokens=512)
+    assert ReuseSettings.from_inference(block.model_dump()) == ReuseSettings(enabled=False, min_tokens=512)
+    assert ReuseSettings.from_inference(InferenceConfig().model_dump()) == ReuseSettings()
+    with pytest.raises(ValidationError, match="prompt_reuse_min_tokens"):
+        InferenceConfig(prompt_reuse_min_tokens=0)

@@ -7,7 +7,9 @@ logits (`logprobs_mode=raw_logprobs`; vLLM 0.32 computes prompt log-probs from t
 every mode, so a request's temperature cannot apply: `describe()` says so and validation refuses
 T != 1 for this engine). The requests of a batch are
 submitted concurrently and vLLM's scheduler batches them continuously. Prompt logprobs skip the
-prefix cache (vLLM sets `skip_reading_prefix_cache` for them), so every row is computed.
+prefix cache (vLLM sets `skip_reading_prefix_cache` for them), so every row is computed, except
+for requests that share a prompt (`vllm_prefix`): those read it, and every answer's
+`num_cached_tokens` decides which of its rows are used.
 
 Hidden states: a second engine, on vLLM's pooling runner. One vLLM instance runs one runner
 ("generate" or "pooling"), and the generate runner has no per-token hidden-state output. The
