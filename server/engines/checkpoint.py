@@ -41,6 +41,8 @@ class ModelFacts:
 def text_config(config: Mapping[str, Any], path: Sequence[str] = ()) -> Mapping[str, Any]:
     """The language-model part of a (possibly nested) HF config: follow `path`, then `text_config`."""
     node: Mapping[str, Any] = config
+    if not path and "thinker_config" in config:  # an Omni checkpoint: its Thinker scores
+        path = ("thinker_config",)
     for key in path:
         if key not in node:
             raise EngineConfigError(f"config.json has no {'.'.join(path)}: is this the right model?")
@@ -97,8 +99,9 @@ def _weight_index(root: Path) -> dict[str, Path]:
 def load_unembedding(
     model_path: str | Path,
     *,
-    head_names: Sequence[str] = ("lm_head.weight",),
-    embed_names: Sequence[str] = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight"),
+    head_names: Sequence[str] = ("lm_head.weight", "thinker.lm_head.weight"),
+    embed_names: Sequence[str] = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight",
+                                  "thinker.model.embed_tokens.weight"),
     vocab_size: int | None = None,
 ) -> torch.Tensor:
     """The lm_head weight [V, H] read from the checkpoint's safetensors (tied: the embeddings).

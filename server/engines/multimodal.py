@@ -40,6 +40,8 @@ class Placeholders:
     """Each served modality's placeholder token id (a model directory's config says which)."""
 
     token_ids: dict[str, int]
+    # The audio feature extractor's sample rate: clips must come at it (see `check_counts`).
+    audio_rate: int | None = None
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -60,7 +62,20 @@ class Placeholders:
                 if isinstance(config.get(key), int):
                     found[kind] = int(config[key])
                     break
-        return cls(found)
+        return cls(found, _audio_rate(Path(model_path)) if "audios" in found else None)
+
+
+def _audio_rate(root: Path) -> int | None:
+    """The feature extractor's sampling_rate, from processor_config.json (transformers 5) or
+    preprocessor_config.json (the released checkpoints)."""
+    for name, section in (("processor_config.json", "feature_extractor"), ("preprocessor_config.json", None)):
+        path = root / name
+        if path.exists():
+            config = json.loads(path.read_text())
+            config = config.get(section, {}) if section else config
+            if isinstance(config.get("sampling_rate"), int):
+                return int(config["sampling_rate"])
+    return None
 
 
 def runs(ids: np.ndarray, token_id: int) -> list[tuple[int, int]]:
@@ -90,6 +105,22 @@ def check_counts(request: EngineRequest, placeholders: Placeholders) -> RequestR
             return RequestRejected(
                 "token_ids", f"{found} {kind} placeholder run(s) for {count} {kind}: send the prompt's "
                 "token ids as the rollout's processor expanded them, one run per item",
+            )
+    return _check_audio_rates(request, placeholders)
+
+
+def _check_audio_rates(request: EngineRequest, placeholders: Placeholders) -> RequestRejected | None:
+    """Clips at the feature extractor's own rate only. The rollout's processor took them at that
+    rate (transformers' feature extractors refuse any other), so a clip at another rate is not
+    what the rollout saw, and resampling it here would score other features than it generated
+    from (vLLM would resample with its own filter, the torch engine's processor would refuse)."""
+    if placeholders.audio_rate is None or not (request.media and request.media.audios):
+        return None
+    for index, (_, rate) in enumerate(decoded_media(request).get("audio", [])):
+        if int(rate) != placeholders.audio_rate:
+            return RequestRejected(
+                f"audios[{index}]", f"a {rate} Hz clip; this teacher's feature extractor takes "
+                f"{placeholders.audio_rate} Hz audio: send it resampled as the rollout's processor took it",
             )
     return None
 

@@ -82,8 +82,9 @@ class TorchMedia:
             return problem
         kinds = media_kinds(request)
         data = decoded_media(request)
-        template = "".join(getattr(self.processor, _PROCESSOR_TOKENS[kind]) * len(getattr(request.media, kind))
-                           for kind in kinds)
+        # One placeholder per item, each on its own line: adjacent ones would expand into one run.
+        template = "\n".join(getattr(self.processor, _PROCESSOR_TOKENS[kind])
+                              for kind in kinds for _ in getattr(request.media, kind))
         arguments: dict[str, Any] = {}
         for kind in kinds:
             items = data[{"images": "image", "videos": "video", "audios": "audio"}[kind]]

@@ -58,8 +58,10 @@ class VllmFamilyEngine(TeacherEngine):
 
     engine_name = "vllm"
     sub_config: tuple[str, ...] = ()
-    head_names: tuple[str, ...] = ("lm_head.weight",)
-    embed_names: tuple[str, ...] = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
+    # A text or VL checkpoint's names, then an Omni checkpoint's (its Thinker's weights).
+    head_names: tuple[str, ...] = ("lm_head.weight", "thinker.lm_head.weight")
+    embed_names: tuple[str, ...] = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight",
+                                    "thinker.model.embed_tokens.weight")
     media_kinds: tuple[str, ...] = ()
 
     def __init__(self, spec: EngineSpec) -> None:
