@@ -18,9 +18,9 @@ import torch
 
 from proctor.proto import decode_tensor, encode_tensor, scoring_pb2
 from proctor.server.engines.base import EngineRequest, EngineResult
-from proctor.server.engines.host_protocol import dumps
+from proctor.server.engines.host_protocol import OUT_OF_BAND_BYTES, dumps, loads
 from proctor.server.engines.subprocess_engine import SubprocessEngine
-from proctor.server.engines.wire_result import EncodedResult, encode_result
+from proctor.server.engines.wire_result import EncodedResult, RawRows, encode_result
 from proctor.server.metrics import Metrics
 from proctor.server.responses import Responses
 from proctor.server.routing import ReplicaState
@@ -215,15 +215,23 @@ def test_streamed_chunks_reassemble_the_hidden_rows_in_order():
 
 
 def test_tensors_cross_the_worker_socket_as_raw_bytes():
-    import pickle
-
     request = EngineRequest("a", torch.arange(100, dtype=torch.int64), first_row=1, logprobs=True, topk=0,
                             hidden_states=False, score_ids=torch.full((99, 3), -1, dtype=torch.int64))
     payload = dumps(("score", 1, [request]))
-    back = pickle.loads(payload)[2][0]
+    back = loads(payload)[2][0]
     assert torch.equal(back.token_ids, request.token_ids) and back.token_ids.dtype == torch.int64
     assert torch.equal(back.score_ids, request.score_ids)
     back.token_ids[0] = 7  # writable, as sent
     odd = torch.randn(4, 6).to(torch.bfloat16)[:, ::2]  # bf16, not contiguous
-    assert torch.equal(pickle.loads(dumps(odd)), odd)
+    assert torch.equal(loads(dumps(odd)), odd)
     assert len(dumps(torch.zeros(10_000, dtype=torch.int64))) < 10_000 * 8 + 200  # raw bytes, no torch.save zip
+
+
+def test_large_result_bytes_cross_out_of_band_as_views_of_the_frame():
+    encoded = encode_result(_result(torch.float32))
+    big = RawRows.of(torch.randn(OUT_OF_BAND_BYTES // 4, 2))
+    message = ("reply", 3, [EncodedResult(encoded.outputs, big, encoded.raw_ranks, first_row=3)])
+    back = loads(dumps(message))[2][0]
+    assert isinstance(back.hidden.data, memoryview)  # not copied out of the frame
+    assert torch.equal(back.hidden_states, big.tensor()) and torch.equal(back.logprobs, encoded.logprobs)
+    assert back.first_row == 3

@@ -21,7 +21,7 @@ import socket
 import sys
 from typing import Any
 
-from proctor.server.engines.host_protocol import read_message, write_message
+from proctor.server.engines.host_protocol import Channel
 from proctor.server.engines.wire_result import encode_outcomes
 
 log = logging.getLogger("proctor.engine_host")
@@ -41,20 +41,19 @@ def prepare_worker(spec: Any) -> None:
 class EngineHost:
     """Answers the server's messages with one engine."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader = reader
-        self.writer = writer
+    def __init__(self, channel: Channel) -> None:
+        self.channel = channel
         self.engine: Any = None
         self._tasks: set[asyncio.Task] = set()
 
     async def serve(self) -> None:
-        message = await read_message(self.reader)
+        message = await self.channel.receive()
         if message is None or message[0] != "start":
             return
         if not await self._start(message[1], message[2]):
             return
         try:
-            while (message := await read_message(self.reader)) is not None:
+            while (message := await self.channel.receive()) is not None:
                 if message[0] == "close":
                     break
                 self._dispatch(message)
@@ -109,15 +108,15 @@ class EngineHost:
         await self._send(("reply", call, value))
 
     async def _send(self, message: tuple[Any, ...]) -> None:
-        write_message(self.writer, message)
-        await self.writer.drain()
+        self.channel.send(message)
+        await self.channel.drain()
 
 
 async def _main(fd: int) -> None:
     sock = socket.socket(fileno=fd)
-    reader, writer = await asyncio.open_unix_connection(sock=sock)
-    await EngineHost(reader, writer).serve()
-    writer.close()
+    channel = await Channel.open(sock)
+    await EngineHost(channel).serve()
+    channel.close()
 
 
 def main() -> None:

@@ -1,24 +1,29 @@
-"""The messages between the server and an engine host process, and their framing.
+"""The messages between the front and a replica worker process, and their framing.
 
-A frame is an 8-byte little-endian length and a pickle. Pickle, because what travels is the
-engine protocol's own dataclasses (requests, outcomes) between two processes of one
-installation that trust each other (the host is our own child, on a socket pair nobody else
-holds). Results travel in wire form (`wire_result.EncodedResult`, a few `bytes`), and a CPU
-torch tensor (a request's token ids) pickles as its raw bytes, dtype and shape: torch's own
-pickling goes through `torch.save` and costs tens of µs a tensor, on the front's event loop.
-Messages are tuples whose first item names them:
+A frame is an 8-byte little-endian length, then a count of out-of-band buffers and their
+lengths, the pickle, and the buffers. Pickle, because what travels is the engine protocol's
+own dataclasses (requests, outcomes) between two processes of one installation that trust each
+other (the worker is the front's own child, on a socket pair nobody else holds). Results travel
+in wire form (`wire_result.EncodedResult`, a few `bytes`); the large ones (a top-64 answer, hidden
+states) go out of band (pickle protocol 5), so the reader gets them as views of the one buffer
+the socket was read into (`Channel`, an asyncio buffered protocol): one copy from the kernel
+and none in Python. A CPU torch tensor (a request's token ids) pickles as its raw bytes, dtype
+and shape: torch's own pickling goes through `torch.save` and costs tens of µs a tensor, on the
+front's event loop. Messages are tuples whose first item names them:
 
-server → host: ("start", spec, build) · ("score", call, batch) · ("abort", keys) · ("health", call) ·
-               ("close",)   (build: the engine factory, None for `create_engine`)
-host → server: ("ready", info, token_budget) · ("start_failed", message) ·
-               ("reply", call, value) · ("failed", call, message)
+front → worker: ("start", spec, build) · ("score", call, batch) · ("abort", keys) · ("health", call) ·
+                ("close",)   (build: the engine factory, None for `create_engine`)
+worker → front: ("ready", info, token_budget) · ("start_failed", message) ·
+                ("reply", call, value) · ("failed", call, message)
 """
 
 from __future__ import annotations
 
 import asyncio
 import io
+import logging
 import pickle
+import socket
 import struct
 from typing import Any
 
@@ -27,25 +32,22 @@ import torch
 
 from proctor.proto import DTYPES
 
+log = logging.getLogger(__name__)
+
 _HEADER = struct.Struct("<Q")
+_COUNT = struct.Struct("<I")
 # A frame larger than this is a broken stream, not a message (hidden states are ~MiBs).
 MAX_FRAME_BYTES = 16 << 30
+# Bytes at least this large travel out of band (see `out_of_band`).
+OUT_OF_BAND_BYTES = 64 << 10
 
 
-async def read_message(reader: asyncio.StreamReader) -> tuple[Any, ...] | None:
-    """The next message, or None at the end of the stream."""
-    try:
-        header = await reader.readexactly(_HEADER.size)
-    except asyncio.IncompleteReadError:
-        return None
-    (size,) = _HEADER.unpack(header)
-    if size > MAX_FRAME_BYTES:
-        raise ConnectionError(f"engine host frame of {size} bytes: the stream is corrupt")
-    try:
-        payload = await reader.readexactly(size)
-    except asyncio.IncompleteReadError:
-        return None
-    return pickle.loads(payload)
+def out_of_band(data: bytes, protocol: int) -> bytes | pickle.PickleBuffer:
+    """What a reducer pickles in place of a large `bytes`: a PickleBuffer, which protocol 5
+    carries beside the pickle and the reader gets back as a view of its frame (no copies)."""
+    if protocol >= 5 and len(data) >= OUT_OF_BAND_BYTES:
+        return pickle.PickleBuffer(data)
+    return data
 
 
 _BY_TORCH = {torch_dtype: name for name, (_, _, torch_dtype) in DTYPES.items()}
@@ -69,14 +71,119 @@ class _Pickler(pickle.Pickler):
         return NotImplemented
 
 
+def frame(message: Any) -> list[bytes | memoryview]:
+    """`message` as one frame's parts (tensors as raw bytes, large bytes out of band)."""
+    buffers: list[pickle.PickleBuffer] = []
+    stream = io.BytesIO()
+    _Pickler(stream, protocol=5, buffer_callback=buffers.append).dump(message)
+    views = [stream.getbuffer(), *(b.raw() for b in buffers)]
+    lengths = _COUNT.pack(len(buffers)) + b"".join(_HEADER.pack(v.nbytes) for v in views)
+    size = len(lengths) + sum(v.nbytes for v in views)
+    return [_HEADER.pack(size), lengths, *views]
+
+
 def dumps(message: Any) -> bytes:
-    """`message` pickled, tensors as raw bytes (see the module's docstring)."""
-    buffer = io.BytesIO()
-    _Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(message)
-    return buffer.getvalue()
+    """`message` as the bytes of one frame."""
+    return b"".join(frame(message))
 
 
-def write_message(writer: asyncio.StreamWriter, message: tuple[Any, ...]) -> None:
-    """Queue one whole frame (one write call, so frames from concurrent tasks never interleave)."""
-    payload = dumps(message)
-    writer.writelines((_HEADER.pack(len(payload)), payload))  # no await between: never interleaved
+def parse(body: memoryview) -> Any:
+    """The message of a frame's body (after its length); out-of-band buffers are views of it."""
+    (count,) = _COUNT.unpack_from(body)
+    offset = _COUNT.size
+    lengths = [_HEADER.unpack_from(body, offset + i * _HEADER.size)[0] for i in range(count + 1)]
+    offset += (count + 1) * _HEADER.size
+    views = []
+    for length in lengths:
+        views.append(body[offset : offset + length])
+        offset += length
+    if offset != len(body):
+        raise ConnectionError(f"replica worker frame of {len(body)} bytes holds {offset}: the stream is corrupt")
+    return pickle.loads(views[0], buffers=views[1:])
+
+
+def loads(data: bytes) -> Any:
+    """The message of one frame given as bytes (`dumps`'s inverse)."""
+    return parse(memoryview(data)[_HEADER.size :])
+
+
+class _FrameProtocol(asyncio.BufferedProtocol):
+    """Reads frames straight into a buffer of the frame's size; queues their messages."""
+
+    def __init__(self) -> None:
+        self.messages: asyncio.Queue = asyncio.Queue()
+        self._header = bytearray(_HEADER.size)
+        self._body: np.ndarray | None = None
+        self._filled = 0
+        self._writable = asyncio.Event()
+        self._writable.set()
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        target = memoryview(self._header) if self._body is None else memoryview(self._body)
+        return target[self._filled :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._filled += nbytes
+        if self._body is None:
+            if self._filled < _HEADER.size:
+                return
+            (size,) = _HEADER.unpack(self._header)
+            if size > MAX_FRAME_BYTES:
+                log.error("replica worker frame of %d bytes: the stream is corrupt", size)
+                self.transport.close()
+                return
+            self._body, self._filled = np.empty(size, np.uint8), 0  # not zero-filled: recv_into fills it
+            if size:
+                return
+        if self._filled < len(self._body):
+            return
+        body, self._body, self._filled = self._body, None, 0
+        try:
+            self.messages.put_nowait(parse(memoryview(body)))
+        except Exception:
+            log.exception("unreadable frame from the other end of a replica worker's socket")
+            self.transport.close()
+
+    def eof_received(self) -> bool:
+        return False  # close the transport
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.messages.put_nowait(None)
+        self._writable.set()
+
+    def pause_writing(self) -> None:
+        self._writable.clear()
+
+    def resume_writing(self) -> None:
+        self._writable.set()
+
+
+class Channel:
+    """One end of the front ↔ worker socket: `send` frames, `receive` messages (None at the end)."""
+
+    def __init__(self, transport: asyncio.Transport, protocol: _FrameProtocol) -> None:
+        self.transport = transport
+        self.protocol = protocol
+
+    @classmethod
+    async def open(cls, sock: socket.socket) -> Channel:
+        transport, protocol = await asyncio.get_running_loop().create_unix_connection(_FrameProtocol, sock=sock)
+        return cls(transport, protocol)
+
+    def send(self, message: Any) -> None:
+        """Queue one whole frame (one call, no await: frames from concurrent tasks never interleave)."""
+        self.transport.writelines(frame(message))
+
+    async def drain(self) -> None:
+        """Wait while the socket's write buffer is over its high-water mark."""
+        await self.protocol._writable.wait()
+
+    async def receive(self) -> Any:
+        return await self.protocol.messages.get()
+
+    def close(self) -> None:
+        self.transport.close()

@@ -44,7 +44,7 @@ from proctor.server.engines.base import (
     TeacherEngine,
 )
 from proctor.server.engines.checkpoint import load_unembedding
-from proctor.server.engines.host_protocol import read_message, write_message
+from proctor.server.engines.host_protocol import Channel
 from proctor.server.pool import VISIBLE_DEVICES_ENV
 
 log = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ class SubprocessEngine(TeacherEngine):
         self.extra_env = dict(env or {})
         self.health_timeout_s = float(health_timeout_s or (spec.inference or {}).get("health_timeout_s") or 15.0)
         self._proc: asyncio.subprocess.Process | None = None
-        self._writer: asyncio.StreamWriter | None = None
+        self._channel: Channel | None = None
         self._calls: dict[int, asyncio.Future] = {}
         self._ids = itertools.count()
         self._ready: asyncio.Future | None = None
@@ -127,10 +127,10 @@ class SubprocessEngine(TeacherEngine):
             )
         finally:
             theirs.close()
-        reader, self._writer = await asyncio.open_unix_connection(sock=ours)
+        self._channel = await Channel.open(ours)
         self._ready = loop.create_future()
         self._tasks = [
-            loop.create_task(self._read_replies(reader), name=f"proctor-host-{self.name}-replies"),
+            loop.create_task(self._read_replies(), name=f"proctor-host-{self.name}-replies"),
             loop.create_task(self._pump_output(), name=f"proctor-host-{self.name}-output"),
             loop.create_task(self._watch_exit(), name=f"proctor-host-{self.name}-exit"),
         ]
@@ -153,7 +153,7 @@ class SubprocessEngine(TeacherEngine):
         proc = self._proc
         if proc is None:
             return
-        if proc.returncode is None and self._writer is not None and not self._suspect:
+        if proc.returncode is None and self._channel is not None and not self._suspect:
             with contextlib.suppress(Exception):
                 self._send(("close",))
                 await asyncio.wait_for(proc.wait(), CLOSE_GRACE_S)
@@ -163,9 +163,9 @@ class SubprocessEngine(TeacherEngine):
         for task in self._tasks:
             task.cancel()
         self._fail_all(EngineError(f"{self.name}: engine host closed"))
-        if self._writer is not None:
-            self._writer.close()
-        self._proc, self._writer = None, None
+        if self._channel is not None:
+            self._channel.close()
+        self._proc, self._channel = None, None
 
     def _kill_group(self) -> None:
         """SIGKILL the host and everything it started (EngineCore, workers), stopped ones too."""
@@ -185,9 +185,9 @@ class SubprocessEngine(TeacherEngine):
 
     # -- the socket ------------------------------------------------------------------------
     def _send(self, message: tuple[Any, ...]) -> None:
-        if self._writer is None or self._exit is not None:
+        if self._channel is None or self._exit is not None:
             raise EngineError(f"{self.name}: engine host is not running ({self._exit or 'closed'})")
-        write_message(self._writer, message)
+        self._channel.send(message)
 
     async def _call(self, kind: str, *args: Any, timeout: float | None = None) -> Any:
         call = next(self._ids)
@@ -199,8 +199,9 @@ class SubprocessEngine(TeacherEngine):
         finally:
             self._calls.pop(call, None)
 
-    async def _read_replies(self, reader: asyncio.StreamReader) -> None:
-        while (message := await read_message(reader)) is not None:
+    async def _read_replies(self) -> None:
+        assert self._channel is not None
+        while (message := await self._channel.receive()) is not None:
             kind = message[0]
             if kind == "ready":
                 if not self._ready.done():

@@ -23,6 +23,7 @@ import torch
 
 from proctor.proto import WIRE_DTYPES, encode_tensor, scoring_pb2
 from proctor.server.engines.base import EngineResult, Outcome
+from proctor.server.engines.host_protocol import out_of_band
 
 # EngineResult fields that travel inside the ScoreResponse bytes, and their wire dtype.
 SMALL_OUTPUTS = {
@@ -46,6 +47,9 @@ class RawRows:
     def of(cls, tensor: torch.Tensor) -> RawRows:
         wire = encode_tensor(tensor)
         return cls(wire.dtype, tuple(wire.shape), wire.data)
+
+    def __reduce_ex__(self, protocol: int):  # the rows' bytes beside the pickle, not in it
+        return RawRows, (self.dtype, self.shape, out_of_band(self.data, protocol))
 
     @property
     def row_bytes(self) -> int:
@@ -80,9 +84,13 @@ class EncodedResult:
         self.engine_seconds: float = scalars.pop("engine_seconds", 0.0)
         self.__dict__.update(scalars)  # what else the engine reported (e.g. prompt_reused_tokens)
 
+    def __reduce_ex__(self, protocol: int):  # the outputs' bytes beside the pickle, not in it
+        scalars = {k: v for k, v in self.__dict__.items() if k not in ("outputs", "hidden", "raw_ranks", "_message")}
+        return _rebuild, (out_of_band(self.outputs, protocol), self.hidden, self.raw_ranks, scalars)
+
     @cached_property
     def _message(self) -> scoring_pb2.ScoreResponse:
-        return scoring_pb2.ScoreResponse.FromString(self.outputs)
+        return scoring_pb2.ScoreResponse.FromString(bytes(self.outputs))
 
     def _small(self, name: str) -> torch.Tensor | None:
         if not self._message.HasField(name):
@@ -113,6 +121,10 @@ class EncodedResult:
     @property
     def ranks(self) -> torch.Tensor | None:
         return self.raw_ranks.tensor() if self.raw_ranks is not None else None
+
+
+def _rebuild(outputs: bytes, hidden: RawRows | None, raw_ranks: RawRows | None, scalars: dict) -> EncodedResult:
+    return EncodedResult(outputs, hidden, raw_ranks, **scalars)
 
 
 def encode_result(result: EngineResult | EncodedResult) -> EncodedResult:
