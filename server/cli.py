@@ -194,6 +194,8 @@ def demo(
     transport: str = typer.Option("grpc", help="grpc | http"),
     out: Path = typer.Option(Path("out"), help="Folder for the loss plot and log."),
     seed: int = typer.Option(0),
+    teacher: str = typer.Option("text", help="text (the tiny teacher) | omni (a tiny Qwen2.5-Omni Thinker: "
+                                "prompts with an image and an audio clip)"),
 ) -> None:
     """On-policy distillation on the CPU: a noisy student learns from the tiny teacher.
 
@@ -203,14 +205,16 @@ def demo(
     from proctor.server.quickstart import print_quickstart, tiny_teacher
     from proctor.trainer_adapter.demo import option_error, run_demo
 
-    problem = option_error(steps=steps, loss=loss, transport=transport)
+    problem = option_error(steps=steps, loss=loss, transport=transport, teacher=teacher)
     if problem:  # before a server is started for nothing
         typer.echo(f"proctor demo: {problem}", err=True)
         raise typer.Exit(2)
-    with tiny_teacher() as (server, model_dir):
-        print_quickstart(server, model_dir)
+    with tiny_teacher(kind=teacher) as (server, model_dir):
+        if teacher == "text":
+            print_quickstart(server, model_dir)
         targets = {"grpc": f"grpc://{server.grpc_target}", "http": server.http_url}
-        code = run_demo(targets, model_dir, steps=steps, loss=loss, transport=transport, out=out, seed=seed)
+        code = run_demo(targets, model_dir, steps=steps, loss=loss, transport=transport, out=out, seed=seed,
+                        teacher=teacher)
     raise typer.Exit(code)
 
 

@@ -26,9 +26,15 @@ SAMPLES = [
 
 
 @contextmanager
-def tiny_teacher(*, max_topk: int = 64) -> Iterator[tuple[ServerThread, Path]]:
-    """The built-in tiny teacher served on free loopback ports while the block runs: (server, model dir)."""
-    model = ensure_default_model()
+def tiny_teacher(*, max_topk: int = 64, kind: str = "text") -> Iterator[tuple[ServerThread, Path]]:
+    """The built-in tiny teacher (`kind` "omni": the tiny Qwen2.5-Omni Thinker) served on free
+    loopback ports while the block runs: (server, model dir)."""
+    if kind == "omni":
+        from proctor.server.tiny_multimodal import ensure_tiny_multimodal
+
+        model = ensure_tiny_multimodal("omni-thinker")
+    else:
+        model = ensure_default_model()
     spec = EngineSpec(name="torch", model_path=str(model), max_topk=max_topk)
     with ServerThread(single_teacher_router(spec, name="tiny"), ServerOptions(grpc_port=0, http_port=0)) as server:
         yield server, model

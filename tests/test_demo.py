@@ -40,11 +40,23 @@ def test_student_topk_reverse_kl_demo_scores_the_students_support_and_the_loss_f
     assert len(losses) == 8 and losses[-1] < 0.5 * losses[0], losses
 
 
+def test_omni_demo_distils_the_thinker_on_image_and_audio_prompts(tmp_path):
+    """`--teacher omni`: every rollout carries a PNG and a WAV to the tiny Qwen2.5-Omni Thinker;
+    the loss only falls if the teacher scores the responses given those media, aligned."""
+    result = CliRunner().invoke(app, ["demo", "--teacher", "omni", "--steps", "10", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert "of the omni teacher" in result.output
+    losses = [entry["loss"] for entry in json.loads((tmp_path / "loss_full_forward_kl.json").read_text())]
+    assert len(losses) == 10 and losses[-1] < 0.6 * losses[0], losses
+
+
 def test_demo_refuses_unknown_options(tmp_path, capsys):
     targets = {"grpc": "grpc://127.0.0.1:1", "http": "http://127.0.0.1:1"}  # never reached
     assert run_demo(targets, tmp_path, steps=2, loss="mse_logits", out=tmp_path) == 2
     assert run_demo(targets, tmp_path, steps=2, transport="carrier-pigeon", out=tmp_path) == 2
-    assert "--loss must be one of" in capsys.readouterr().err
+    assert run_demo(targets, tmp_path, steps=2, teacher="tiny-llama", out=tmp_path) == 2
+    err = capsys.readouterr().err
+    assert "--loss must be one of" in err and "--teacher must be one of" in err
     refused = CliRunner().invoke(app, ["demo", "--loss", "mse_logits", "--out", str(tmp_path)])
     assert refused.exit_code == 2 and "--loss must be one of" in refused.output
 

@@ -30,8 +30,8 @@ from proctor.client import TeacherClient
 from proctor.client.batch import hidden_states_batch, packed_score_logprobs, student_topk_ids
 from proctor.client.loss import distillation_loss
 from proctor.trainer_adapter.plot import plot_losses
-from proctor.trainer_adapter.rollout import RolloutSample, RolloutScorer, ScoredSample
-from proctor.trainer_adapter.student import noisy_student, response_hidden, sample_responses
+from proctor.trainer_adapter.rollout import RolloutScorer, ScoredSample
+from proctor.trainer_adapter.student import TextStudent
 
 # demo option -> the loss library's loss_mode
 LOSSES = {
@@ -44,6 +44,7 @@ LOSSES = {
     "student_topk_reverse_kl": "student_topk_reverse_kl",
 }
 TRANSPORTS = ("grpc", "http")
+TEACHERS = ("text", "omni")  # the built-in tiny teacher, or the tiny Qwen2.5-Omni Thinker
 PROMPTS = [
     "User: what is 12 times 7? Assistant:",
     "The quick brown fox",
@@ -114,17 +115,16 @@ def _student_topk(student, rollouts, k: int) -> list[torch.Tensor]:
     """The student's top-k per response row of each rollout (what it put its mass on), the
     score_ids that `student_topk_reverse_kl` needs the teacher to score."""
     with torch.no_grad():
-        weight = student.get_output_embeddings().weight
+        weight = student.model.get_output_embeddings().weight
         out = []
         for rollout in rollouts:
-            ids = [*rollout.prompt_ids, *rollout.response_ids]
-            hidden, _ = response_hidden(student, [(ids, len(rollout.prompt_ids))])
+            hidden, _ = student.response_hidden([rollout])
             out.append(student_topk_ids(hidden @ weight.T, k))
         return out
 
 
-async def _rollout_and_score(student, prompts, scorer: RolloutScorer, settings: DemoSettings, step: int,
-                             pad_token_id: int) -> tuple[list[ScoredSample], float, float]:
+async def _rollout_and_score(student, prompts, scorer: RolloutScorer, settings: DemoSettings,
+                             step: int) -> tuple[list[ScoredSample], float, float]:
     """Sample in `groups` batches on a worker thread; each finished batch is scored while the
     next one is sampled. Returns the scored samples (input order), scoring seconds, total seconds."""
     groups = [prompts[i :: settings.groups] for i in range(settings.groups)]
@@ -133,13 +133,14 @@ async def _rollout_and_score(student, prompts, scorer: RolloutScorer, settings: 
 
     async def finished_rollouts():
         for g, group in enumerate(groups):
-            rollouts = await asyncio.to_thread(sample_responses, student, group, length=settings.response_length,
-                                               pad_token_id=pad_token_id, seed=settings.seed * 100_003 + step * 97 + g)
+            rollouts = await asyncio.to_thread(student.sample, group, length=settings.response_length,
+                                               seed=settings.seed * 100_003 + step * 97 + g)
             supports = (_student_topk(student, rollouts, settings.topk) if settings.loss == "student_topk_reverse_kl"
                         else [None] * len(rollouts))
             first_submit.append(time.monotonic())
             for rollout, support in zip(rollouts, supports, strict=True):
-                yield RolloutSample(rollout.prompt_ids, rollout.response_ids, score_ids=support)
+                rollout.score_ids = support
+                yield rollout
 
     results = [scored async for scored in scorer.scored(finished_rollouts())]
     ended = time.monotonic()
@@ -148,9 +149,8 @@ async def _rollout_and_score(student, prompts, scorer: RolloutScorer, settings: 
 
 
 def _loss_inputs(mode: str, results: list[ScoredSample], student, teacher_weight) -> dict:
-    sequences = [(s.sample.token_ids, s.sample.prompt_length) for s in results]
-    hidden, targets = response_hidden(student, sequences)
-    weight = student.get_output_embeddings().weight
+    hidden, targets = student.response_hidden([s.sample for s in results])
+    weight = student.model.get_output_embeddings().weight
     if mode in ("k1", "k3"):
         logits = hidden @ weight.T
         student_logprobs = torch.log_softmax(logits.float(), -1).gather(1, targets[:, None]).squeeze(1)
@@ -171,13 +171,12 @@ def _loss_inputs(mode: str, results: list[ScoredSample], student, teacher_weight
     return inputs
 
 
-def train(target: str, model_dir: Path, tokenizer, settings: DemoSettings) -> list[StepLog]:
-    """The distillation loop against the teacher at `target`; returns one StepLog per step."""
+def train(target: str, student, settings: DemoSettings) -> list[StepLog]:
+    """The distillation loop against the teacher at `target` (`student`: a `TextStudent` or
+    an `OmniStudent`); returns one StepLog per step."""
     mode = LOSSES[settings.loss]
-    student = noisy_student(model_dir, noise=settings.noise, seed=settings.seed)
-    optimizer = torch.optim.Adam(student.parameters(), lr=settings.lr)
-    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS for _ in range(settings.samples_per_prompt)]
-    pad = tokenizer.pad_token_id
+    optimizer = torch.optim.Adam(student.model.parameters(), lr=settings.lr)
+    prompts = student.prompts(PROMPTS, settings.samples_per_prompt)
     # No log-prob floor: verl's -10 default zeroes the gradient exactly where the noisy
     # student is furthest from the teacher, and the curve would stall.
     config = {"loss_mode": mode, "topk": settings.topk, "use_task_rewards": False, "log_prob_min_clamp": None,
@@ -195,7 +194,7 @@ def train(target: str, model_dir: Path, tokenizer, settings: DemoSettings) -> li
                                    topk=settings.topk if mode == "forward_kl_topk" else 0)
             for step in range(1, settings.steps + 1):
                 tokens_before = scorer.scored_tokens
-                results, scoring_s, step_s = await _rollout_and_score(student, prompts, scorer, settings, step, pad)
+                results, scoring_s, step_s = await _rollout_and_score(student, prompts, scorer, settings, step)
                 output = distillation_loss(config, **_loss_inputs(mode, results, student, teacher_weight))
                 if output.loss is not None:
                     objective = output.loss
@@ -219,7 +218,7 @@ def train(target: str, model_dir: Path, tokenizer, settings: DemoSettings) -> li
     return logs
 
 
-def option_error(*, steps: int, loss: str, transport: str) -> str | None:
+def option_error(*, steps: int, loss: str, transport: str, teacher: str = "text") -> str | None:
     """What is wrong with the demo's options, said as the command line would, or None.
 
     `proctor demo` asks before it starts a server; `run_demo` asks again for direct callers.
@@ -230,29 +229,35 @@ def option_error(*, steps: int, loss: str, transport: str) -> str | None:
         return f"--transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}"
     if steps < 1:
         return "--steps must be at least 1"
+    if teacher not in TEACHERS:
+        return f"--teacher must be one of {', '.join(TEACHERS)}, got {teacher!r}"
     return None
 
 
 def run_demo(targets: Mapping[str, str], model_dir: Path, *, steps: int = 30, loss: str = "full_forward_kl",
-             transport: str = "grpc", out: Path = Path("out"), seed: int = 0, **overrides) -> int:
+             transport: str = "grpc", out: Path = Path("out"), seed: int = 0, teacher: str = "text",
+             **overrides) -> int:
     """Distil a noisy student from the teacher served at `targets[transport]` (grpc://… and
     http://… of one server), write the loss plot and log to `out`; the exit code."""
-    problem = option_error(steps=steps, loss=loss, transport=transport)
+    problem = option_error(steps=steps, loss=loss, transport=transport, teacher=teacher)
     if problem:
         print(f"proctor demo: {problem}", file=sys.stderr)
         return 2
-    from transformers import AutoTokenizer
-
     settings = DemoSettings(steps=steps, loss=loss, transport=transport, seed=seed, **overrides)
     torch.manual_seed(seed)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-    print(f"on-policy distillation: loss {loss} ({LOSSES[loss]}), transport {transport}, {steps} steps, "
+    if teacher == "omni":  # prompts with an image and an audio clip each, for the Thinker teacher
+        from proctor.trainer_adapter.omni_student import OmniStudent
+
+        student = OmniStudent(model_dir, noise=settings.noise, seed=seed)
+    else:
+        student = TextStudent(model_dir, noise=settings.noise, seed=seed)
+    print(f"on-policy distillation of the {teacher} teacher: loss {loss} ({LOSSES[loss]}), transport {transport}, {steps} steps, "
           f"{len(PROMPTS)} prompts x {settings.samples_per_prompt} samples x {settings.response_length} tokens, "
           f"sampled in {settings.groups} batches")
     started = time.monotonic()
-    logs = train(targets[transport], Path(model_dir), tokenizer, settings)
+    logs = train(targets[transport], student, settings)
     elapsed = time.monotonic() - started
     losses = [log.loss for log in logs]
     plot = out / f"loss_{loss}.png"

@@ -7,10 +7,13 @@ row alignment and the loss are right, and any mistake among them shows as a flat
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from proctor.trainer_adapter.rollout import RolloutSample
 
 
 def noisy_student(model_dir: str | Path, *, noise: float, seed: int):
@@ -69,3 +72,24 @@ def response_hidden(model, sequences: list[tuple[list[int], int]]) -> tuple[torc
         rows.append(hidden[row, prompt_length - 1 : len(tokens) - 1])
         targets.append(ids[row, prompt_length : len(tokens)])
     return torch.cat(rows), torch.cat(targets)
+
+
+class TextStudent:
+    """The demo's student for a text teacher: prompts are token ids, one batched generate."""
+
+    def __init__(self, model_dir: str | Path, *, noise: float, seed: int) -> None:
+        from transformers import AutoTokenizer
+
+        self.model = noisy_student(model_dir, noise=noise, seed=seed)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+
+    def prompts(self, texts: Sequence[str], copies: int) -> list[list[int]]:
+        return [self.tokenizer(text)["input_ids"] for text in texts for _ in range(copies)]
+
+    def sample(self, prompts: list[list[int]], *, length: int, seed: int) -> list[RolloutSample]:
+        rollouts = sample_responses(self.model, prompts, length=length, pad_token_id=self.tokenizer.pad_token_id,
+                                    seed=seed)
+        return [RolloutSample(r.prompt_ids, r.response_ids) for r in rollouts]
+
+    def response_hidden(self, samples: Sequence[RolloutSample]) -> tuple[torch.Tensor, torch.Tensor]:
+        return response_hidden(self.model, [(s.token_ids, s.prompt_length) for s in samples])

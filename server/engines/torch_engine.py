@@ -175,7 +175,7 @@ class TorchEngine(TeacherEngine):
                     prepared[request.key] = answer
 
     # -- the forward pass ------------------------------------------------------------------
-    def _score_sync(self, batch: list[EngineRequest], prepared: dict[str, PreparedMedia] | None = None) -> list[EngineResult]:
+    def _score_sync(self, batch: list[EngineRequest], prepared: dict[str, PreparedMedia] | None = None) -> list[Outcome]:
         model = self._model
         if model is None:
             raise EngineError("engine not started")
@@ -191,11 +191,13 @@ class TorchEngine(TeacherEngine):
                 for i, rows in zip(text, self._text_states([batch[i] for i in text], [results[i] for i in text]),
                                    strict=True):
                     states[i] = rows
-            for result, request, rows in zip(results, batch, states, strict=True):
-                if request.hidden_states:
-                    result.hidden_states = rows.to("cpu").clone()
-            self._head_outputs(model, batch, states, results)
-            return results
+            # A media request the model itself could not place is that request's error alone.
+            kept = [i for i, rows in enumerate(states) if not isinstance(rows, RequestRejected)]
+            for i in kept:
+                if batch[i].hidden_states:
+                    results[i].hidden_states = states[i].to("cpu").clone()
+            self._head_outputs(model, [batch[i] for i in kept], [states[i] for i in kept], [results[i] for i in kept])
+            return [results[i] if i in kept else states[i] for i in range(len(batch))]
 
     def _text_states(self, batch: list[EngineRequest], results: list[EngineResult]) -> list[torch.Tensor]:
         """Rows of hidden states for text-only requests: one padded pass of the decoder body,

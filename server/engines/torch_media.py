@@ -116,7 +116,7 @@ class TorchMedia:
         return PreparedMedia(inputs)
 
     @staticmethod
-    def states(model: torch.nn.Module, request: EngineRequest, prepared: PreparedMedia) -> torch.Tensor:
+    def states(model: torch.nn.Module, request: EngineRequest, prepared: PreparedMedia) -> torch.Tensor | RequestRejected:
         """Rows first_row..T-1 of the last layer's (normed) hidden states, from the model's full
         multimodal forward; read off the decoder's output, so the lm_head's [T, V] logits of
         the model's own forward are limited to one position where the model allows it."""
@@ -132,7 +132,10 @@ class TorchMedia:
             dtype = next(model.parameters()).dtype
             inputs = {key: _to_model(value, device, dtype) for key, value in prepared.inputs.items()}
             extra = {"logits_to_keep": 1} if "logits_to_keep" in _forward_args(model) else {}
-            model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False, **inputs, **extra)
+            try:
+                model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False, **inputs, **extra)
+            except (ValueError, IndexError) as exc:  # the model's own input checks (positions, markers)
+                return RequestRejected("token_ids", f"the model cannot place this sequence's media: {exc}")
         finally:
             handle.remove()
         if len(captured) != 1:
