@@ -4,6 +4,7 @@
 #   MODEL=/models/Qwen3-0.6B bench/gpu_check.sh
 #   OMNI_MODEL=/models/Qwen3-Omni-30B-A3B-Instruct OMNI_PIPELINE=qwen3_omni_moe bench/gpu_check.sh
 #   bench/gpu_check.sh loss                 # the loss bench's GPU rows (forward KL, reverse KL, JSD)
+#   bench/gpu_check.sh multimodal           # the tiny omni Thinker with images, vLLM vs torch engines
 #
 # Installs vllm (and vllm-omni when OMNI_MODEL is set) if missing, then scores the same sequences
 # with the torch engine and the vLLM engine and prints the largest differences of actual-token
@@ -35,6 +36,13 @@ fi
 if [ "$DEVICE" != cpu ] && ! "$PYTHON" -c "import vllm, torch; assert torch.cuda.is_available()" 2>/dev/null; then
   echo "installing vllm (CUDA build) ..." >&2
   "$PYTHON" -m pip install -q vllm
+fi
+
+if [ "${1:-}" = multimodal ]; then
+  # The multimodal path on the accelerator: the tiny Qwen2.5-Omni Thinker (images in the prompt)
+  # on the vLLM and torch engines, tokens/s image+text vs text and the engines' largest log-prob gap.
+  "$PYTHON" bench/multimodal_bench.py --device "$DEVICE" --dtype "$DTYPE" --gpu-memory-utilization "$GPU_UTIL"
+  exit 0
 fi
 if [ -n "${OMNI_MODEL:-}" ] && ! "$PYTHON" -c "import vllm_omni" 2>/dev/null; then
   echo "installing vllm-omni ..." >&2
@@ -121,6 +129,27 @@ async def main():
         results = await engine.score(batch)
         print(f"vllm_omni {omni}: vocab {info.vocab_size} hidden {info.hidden_size}; "
               f"self-consistency {consistency(engine, results, batch):.2e} (bf16: ~1e-1 expected)")
+        # One image through the Thinker: ids from the checkpoint's own processor (placeholders
+        # expanded, as a rollout sends them), the PNG decoded by proctor's media path.
+        import io
+        import numpy as np
+        from PIL import Image
+        from transformers import AutoProcessor
+        from proctor.server.engines.base import MediaItem, MultiModalInputs
+        from proctor.server.media import decode_media
+        processor = AutoProcessor.from_pretrained(omni)
+        pixels = np.random.default_rng(0).integers(0, 256, (224, 280, 3), dtype=np.uint8)
+        buffer = io.BytesIO()
+        Image.fromarray(pixels).save(buffer, format="PNG")
+        media = decode_media(MultiModalInputs(images=(MediaItem(buffer.getvalue(), "image/png"),)))
+        ids = processor(text=[f"{processor.image_token} Describe the picture. It is noise."],
+                        images=media.decoded["image"], return_tensors="pt")["input_ids"][0]
+        image_request = EngineRequest("image", ids, first_row=len(ids) - 6, logprobs=True, topk=K,
+                                      hidden_states=True, media=media)
+        (answer,) = await engine.score([image_request])
+        print(f"vllm_omni with an image ({len(ids)} tokens): "
+              + (f"self-consistency {consistency(engine, [answer], [image_request]):.2e}"
+                 if hasattr(answer, "logprobs") else f"refused: {answer}"))
         await engine.close()
 
 

@@ -95,12 +95,13 @@ async def bench(name: str, model: Path, args) -> None:
     inference = {"max_model_len": 2048}
     if name == "vllm":
         inference.update(gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=True)
-    engine = create_engine(EngineSpec(name=name, model_path=str(model), dtype="float32", max_topk=8,
-                                      inference=inference, hidden_states=False))
+    engine = create_engine(EngineSpec(name=name, model_path=str(model), device=args.device, dtype=args.dtype,
+                                      max_topk=8, inference=inference, hidden_states=False))
     await engine.start()
     try:
         media, text, image_tokens = workload(model, args.n, args.length)
-        await engine.score(media[:2] + text[:2])  # warm-up: compile paths, processor caches
+        warm = await engine.score(media[:2] + text[:2])  # warm-up: compile paths, processor caches
+        SCORED[name] = [o.logprobs for o in warm[:2]]
         rates: dict[str, list[tuple[float, float]]] = {"media": [], "text": []}
         for _ in range(args.rounds):  # interleaved, so drift in machine load hits both alike
             rates["text"].append(await measure(engine, text, 1))
@@ -118,6 +119,9 @@ async def bench(name: str, model: Path, args) -> None:
         await engine.close()
 
 
+SCORED: dict[str, list] = {}  # each engine's log-probs of the first two media requests
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engines", default="torch,vllm")
@@ -126,6 +130,8 @@ def main() -> int:
     parser.add_argument("--length", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.12)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         model = args.model
@@ -135,6 +141,10 @@ def main() -> int:
             model = make_tiny_omni_thinker(Path(folder) / "thinker")
         for name in args.engines.split(","):
             asyncio.run(bench(name.strip(), model, args))
+    if len(SCORED) == 2:  # the engines agree on the image+text sequences
+        first, second = SCORED.values()
+        worst = max(float((a - b).abs().max()) for a, b in zip(first, second, strict=True))
+        print(f"{' vs '.join(SCORED)} on image+text: max |d logprob| {worst:.2e}")
     return 0
 
 
