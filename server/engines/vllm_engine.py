@@ -181,7 +181,8 @@ class VllmEngine(VllmFamilyEngine):
         log.info("starting vLLM teacher %s: %s", self.spec.model_path, args)
         self._llm = await asyncio.to_thread(self._build, args)
         if self._reuse.enabled and self._llm.vllm_config.cache_config.enable_prefix_caching:
-            self._logprob_lane = PrefixLane(self._reuse, needs_preemption_check=True)
+            self._logprob_lane = PrefixLane(self._reuse, needs_preemption_check=True,
+                                            block_size=int(self._llm.vllm_config.cache_config.block_size or 0))
 
     def _build(self, args: dict[str, Any]):
         """An AsyncLLM for args; on the replica's Ray placement group when it has one."""

@@ -96,8 +96,11 @@ class Answer:
 class PrefixLane:
     """Records for one vLLM engine's prefix cache (the generate engine's, or the pooling one's)."""
 
-    def __init__(self, settings: ReuseSettings, *, needs_preemption_check: bool) -> None:
+    def __init__(self, settings: ReuseSettings, *, needs_preemption_check: bool, block_size: int = 0) -> None:
         self.settings = settings
+        # A follower of a prompt that fills whole blocks will most likely hit all of it (c = P):
+        # its row P is then computed beside it rather than after its answer.
+        self.block_size = block_size
         self.records: PromptCache[_Record] = PromptCache(settings.memory_bytes, settings.ttl_s)
         self.needs_preemption_check = needs_preemption_check
         self.rescored = 0  # answers thrown away because a needed row could have been stale
@@ -120,6 +123,9 @@ class PrefixLane:
             self.records.put(key, prompt, record, record.nbytes)
         else:
             await asyncio.shield(record.computed)  # the leader's prompt is in vLLM's cache then
+            aligned = self.block_size and request.first_row % self.block_size == 0
+            if aligned and compute_first_row is not None and record.first_row is None and record.pending is None:
+                record.pending = _started(compute_first_row())
         try:
             output = await send(True)
         finally:
@@ -152,7 +158,7 @@ class PrefixLane:
     async def _first_row(self, key: bytes, prompt: torch.Tensor, record: _Record,
                          compute: Callable[[], Awaitable[torch.Tensor]]) -> torch.Tensor | None:
         if record.pending is None:
-            record.pending = asyncio.ensure_future(compute())
+            record.pending = _started(compute())
         try:
             row = await asyncio.shield(record.pending)
         except asyncio.CancelledError:
@@ -167,6 +173,13 @@ class PrefixLane:
 
     def clear(self) -> None:
         self.records.clear()
+
+
+def _started(work: Awaitable[torch.Tensor]) -> asyncio.Task:
+    """A row computation shared by a group; its failure is read (and handled) by whoever awaits it."""
+    task = asyncio.ensure_future(work)
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    return task
 
 
 # -- the logprobs lane's row P -----------------------------------------------------------------
