@@ -52,9 +52,28 @@ def _seeded_weights(model: torch.nn.Module, seed: int) -> None:
         torch.random.set_rng_state(state)
 
 
-def _image_processor_kwargs() -> dict:
-    return {"min_pixels": _MIN_PIXELS, "max_pixels": _MAX_PIXELS, "size": {"shortest_edge": _MIN_PIXELS,
-                                                                           "longest_edge": _MAX_PIXELS}}
+def _start(out_dir: str | Path, vocab_size: int, tokens: dict[str, str]):
+    """The output directory, the tokenizer with the family's special tokens, their ids."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(vocab_size, extra_special=tokens)
+    return out, tokenizer, {token: tokenizer.convert_tokens_to_ids(token) for token in tokens.values()}
+
+
+def _vision_processors() -> dict:
+    """Qwen2-VL's image and video processors, sized for tiny images (see _MAX_PIXELS)."""
+    from transformers import Qwen2VLImageProcessor, Qwen2VLVideoProcessor
+
+    sizes = {"min_pixels": _MIN_PIXELS, "max_pixels": _MAX_PIXELS,
+             "size": {"shortest_edge": _MIN_PIXELS, "longest_edge": _MAX_PIXELS}}
+    return {"image_processor": Qwen2VLImageProcessor(**sizes), "video_processor": Qwen2VLVideoProcessor(**sizes)}
+
+
+def _random_model(model_class, config, seed: int) -> torch.nn.Module:
+    config.dtype = torch.float32
+    model = model_class(config).to(torch.float32)
+    _seeded_weights(model, seed)
+    return model
 
 
 def _finish(out: Path, model: torch.nn.Module, processor, kind: str, seed: int) -> Path:
@@ -70,15 +89,10 @@ def make_tiny_vl_model(out_dir: str | Path = VL_DIR, *, seed: int = 0, vocab_siz
     from transformers import (
         Qwen2VLConfig,
         Qwen2VLForConditionalGeneration,
-        Qwen2VLImageProcessor,
         Qwen2VLProcessor,
-        Qwen2VLVideoProcessor,
     )
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(vocab_size, extra_special=_VL_TOKENS)
-    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in _VL_TOKENS.values()}
+    out, tokenizer, ids = _start(out_dir, vocab_size, _VL_TOKENS)
     config = Qwen2VLConfig(
         text_config={**_TEXT, "vocab_size": vocab_size, "rope_parameters": dict(_MROPE),
                      "eos_token_id": tokenizer.eos_token_id, "bos_token_id": None},
@@ -88,14 +102,8 @@ def make_tiny_vl_model(out_dir: str | Path = VL_DIR, *, seed: int = 0, vocab_siz
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=False,
     )
-    config.dtype = torch.float32
-    model = Qwen2VLForConditionalGeneration(config).to(torch.float32)
-    _seeded_weights(model, seed)
-    processor = Qwen2VLProcessor(
-        image_processor=Qwen2VLImageProcessor(**_image_processor_kwargs()),
-        video_processor=Qwen2VLVideoProcessor(**_image_processor_kwargs()),
-        tokenizer=tokenizer,
-    )
+    model = _random_model(Qwen2VLForConditionalGeneration, config, seed)
+    processor = Qwen2VLProcessor(**_vision_processors(), tokenizer=tokenizer)
     return _finish(out, model, processor, "vl", seed)
 
 
@@ -110,15 +118,10 @@ def make_tiny_omni_thinker(out_dir: str | Path = OMNI_DIR, *, seed: int = 0, voc
         Qwen2_5OmniConfig,
         Qwen2_5OmniForConditionalGeneration,
         Qwen2_5OmniProcessor,
-        Qwen2VLImageProcessor,
-        Qwen2VLVideoProcessor,
         WhisperFeatureExtractor,
     )
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(vocab_size, extra_special=_OMNI_TOKENS)
-    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in _OMNI_TOKENS.values()}
+    out, tokenizer, ids = _start(out_dir, vocab_size, _OMNI_TOKENS)
     hidden = _TEXT["hidden_size"]
     thinker = {
         "text_config": {**_TEXT, "vocab_size": vocab_size, "rope_parameters": dict(_MROPE),
@@ -136,15 +139,9 @@ def make_tiny_omni_thinker(out_dir: str | Path = OMNI_DIR, *, seed: int = 0, voc
         "vision_end_token_id": ids["<|vision_eos|>"], "user_token_id": tokenizer.eos_token_id,
     }
     config = Qwen2_5OmniConfig(thinker_config=thinker, enable_audio_output=False)
-    config.dtype = torch.float32
-    model = Qwen2_5OmniForConditionalGeneration(config).to(torch.float32)
-    _seeded_weights(model, seed)
-    processor = Qwen2_5OmniProcessor(
-        image_processor=Qwen2VLImageProcessor(**_image_processor_kwargs()),
-        video_processor=Qwen2VLVideoProcessor(**_image_processor_kwargs()),
-        feature_extractor=WhisperFeatureExtractor(feature_size=128, sampling_rate=16000),
-        tokenizer=tokenizer,
-    )
+    model = _random_model(Qwen2_5OmniForConditionalGeneration, config, seed)
+    processor = Qwen2_5OmniProcessor(**_vision_processors(), tokenizer=tokenizer,
+                                     feature_extractor=WhisperFeatureExtractor(feature_size=128, sampling_rate=16000))
     # A real checkpoint ships the talker's speaker embeddings, which transformers' loader reads
     # whatever the config says; this one has no talker, so its speaker map is empty.
     torch.save({}, out / "spk_dict.pt")

@@ -11,8 +11,6 @@ Trainer side: transformers' own classes and processor, no proctor server code.
 
 from __future__ import annotations
 
-import io
-import wave
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +20,7 @@ import numpy as np
 import torch
 
 from proctor.client import Media
+from proctor.client.media_files import png_media, wav_media, wav_samples
 from proctor.trainer_adapter.rollout import RolloutSample
 
 IMAGE = "<|vision_bos|><|IMAGE|><|vision_eos|>"
@@ -38,30 +37,6 @@ class OmniPrompt:
     inputs: dict[str, torch.Tensor]
     images: list[Media]
     audios: list[Media]
-
-
-def _png(pixels: np.ndarray) -> Media:
-    from PIL import Image
-
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="PNG")
-    return Media(buffer.getvalue(), "image/png")
-
-
-def _wav(samples: np.ndarray) -> Media:
-    buffer = io.BytesIO()
-    with wave.open(buffer, "wb") as handle:
-        handle.setnchannels(1)
-        handle.setsampwidth(2)
-        handle.setframerate(RATE)
-        handle.writeframes((samples * 32767).astype("<i2").tobytes())
-    return Media(buffer.getvalue(), "audio/wav")
-
-
-def _wav_samples(media: Media) -> np.ndarray:
-    """The waveform as the server decodes it (16-bit PCM), so student and teacher see one clip."""
-    with wave.open(io.BytesIO(media.data)) as handle:
-        return np.frombuffer(handle.readframes(handle.getnframes()), "<i2").astype(np.float32) / 32768.0
 
 
 class OmniStudent:
@@ -94,10 +69,10 @@ class OmniStudent:
             pixels = rng.integers(0, 256, (56 + 14 * (index % 3), 70, 3), dtype=np.uint8)
             seconds = 0.3 + 0.1 * (index % 4)
             t = np.arange(int(seconds * RATE)) / RATE
-            clip = _wav((0.3 * np.sin(2 * np.pi * (220 + 40 * index) * t)).astype(np.float32))
-            image = _png(pixels)
+            clip = wav_media((0.3 * np.sin(2 * np.pi * (220 + 40 * index) * t)).astype(np.float32), RATE)
+            image = png_media(pixels)
             inputs = self.processor(text=[f"User: {IMAGE} {AUDIO} {text}"], images=[pixels],
-                                    audio=[_wav_samples(clip)], sampling_rate=RATE, return_tensors="pt")
+                                    audio=[wav_samples(clip)], sampling_rate=RATE, return_tensors="pt")
             ids = inputs.pop("input_ids")[0].tolist()
             inputs.pop("attention_mask")
             out += [OmniPrompt(ids, dict(inputs), [image], [clip])] * copies
