@@ -22,6 +22,7 @@ from proctor.server.engines.base import EngineRequest, RequestAborted
 from proctor.server.engines.vllm_prefix import Decision, decide, was_preempted
 
 from support.groups import assert_exact, interleaved, make_groups, request_of
+from support.reference import reference_rows
 
 session_loop = pytest.mark.asyncio(loop_scope="session")
 
@@ -138,3 +139,20 @@ def test_the_rule_never_reads_a_row_inside_the_hit():
     assert was_preempted(SimpleNamespace(metrics=None))  # unknown counts as preempted
     assert was_preempted(SimpleNamespace(metrics=SimpleNamespace(num_preemptions=1)))
     assert not was_preempted(SimpleNamespace(metrics=SimpleNamespace(num_preemptions=0)))
+
+
+@session_loop
+async def test_hidden_states_of_a_fully_cached_prompt_take_row_p_from_the_group(engine, model_dir):
+    (group,) = make_groups([384], 3, response=(2, 30), seed=51)  # 3 blocks: the hit is the whole prompt
+    requests = [EngineRequest(request_id=f"h{i}", token_ids=m.token_ids, first_row=m.prompt_length, logprobs=False,
+                              topk=0, hidden_states=True) for i, m in enumerate(group)]
+    first = await engine.score(requests[:1])
+    rest = await engine.score(requests[1:])
+    # Hidden-state-only requests go to the pooling engine alone: its lane saw c = P for the others.
+    assert [r.prompt_reused_tokens for r in first + rest] == [0, 384, 384]
+    references = await engine.score([_uncached(r) for r in requests])
+    for request, result, reference in zip(requests, first + rest, references, strict=True):
+        torch.testing.assert_close(result.hidden_states, reference.hidden_states[request.first_row - 1:],
+                                   rtol=0, atol=1e-5)
+        expected = reference_rows(model_dir, request.token_ids.tolist(), request.first_row).hidden_states
+        torch.testing.assert_close(result.hidden_states, expected, rtol=0, atol=ENGINE_TOL)
