@@ -71,6 +71,16 @@ class RawRows:
         return tensor.reshape(self.shape)
 
 
+class _SmallOutput:
+    """An `EncodedResult` attribute named as `EngineResult`'s: the tensor its output field holds."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, result: EncodedResult | None, owner: type | None = None) -> Any:
+        return self if result is None else result._small(self.name)
+
+
 class EncodedResult:
     """An `EngineResult` in wire form: `outputs` (serialised ScoreResponse fields of the small
     outputs), `hidden` (raw rows), `raw_ranks`, and the result's other fields as they were."""
@@ -98,21 +108,10 @@ class EncodedResult:
         wire = getattr(self._message, name)
         return RawRows(wire.dtype, tuple(wire.shape), wire.data).tensor()
 
-    @property
-    def logprobs(self) -> torch.Tensor | None:
-        return self._small("logprobs")
-
-    @property
-    def topk_ids(self) -> torch.Tensor | None:
-        return self._small("topk_ids")
-
-    @property
-    def topk_logprobs(self) -> torch.Tensor | None:
-        return self._small("topk_logprobs")
-
-    @property
-    def score_logprobs(self) -> torch.Tensor | None:
-        return self._small("score_logprobs")
+    logprobs = _SmallOutput()
+    topk_ids = _SmallOutput()
+    topk_logprobs = _SmallOutput()
+    score_logprobs = _SmallOutput()
 
     @property
     def hidden_states(self) -> torch.Tensor | None:

@@ -9,9 +9,11 @@ measures the front alone. It runs inside replica workers (`SubprocessEngine(buil
 
 from __future__ import annotations
 
-from proctor.server.engines import EngineSpec, TeacherEngine, create_engine
-from proctor.server.engines.base import EngineInfo, EngineRequest, EngineResult, Outcome
+from proctor.server.engines import EngineSpec, create_engine
+from proctor.server.engines.base import EngineRequest, EngineResult, Outcome
 from proctor.server.engines.wire_result import EncodedResult, encode_result
+
+from support.engines import InjectedEngine
 
 
 def _key(request: EngineRequest) -> tuple:
@@ -20,28 +22,13 @@ def _key(request: EngineRequest) -> tuple:
             request.hidden_states, request.temperature, score_ids)
 
 
-class RememberingEngine(TeacherEngine):
+class RememberingEngine(InjectedEngine):
     """The torch engine for `spec`, answering a request it has seen before from memory."""
 
     def __init__(self, spec: EngineSpec) -> None:
-        self.inner = create_engine(spec)
+        super().__init__(create_engine(spec))
         self.answers: dict[tuple, EncodedResult] = {}
         self.computed = 0  # requests the real engine scored
-
-    async def start(self) -> None:
-        await self.inner.start()
-
-    async def close(self) -> None:
-        await self.inner.close()
-
-    def describe(self) -> EngineInfo:
-        return self.inner.describe()
-
-    def token_budget(self) -> int:
-        return self.inner.token_budget()
-
-    def unembedding(self):
-        return self.inner.unembedding()
 
     async def score(self, batch: list[EngineRequest]) -> list[Outcome]:
         new = [r for r in batch if _key(r) not in self.answers]
