@@ -325,6 +325,8 @@ def create_app(
         accept = request.headers.get("accept", "")
         if PROTOBUF_MEDIA_TYPE in accept or (content_type == PROTOBUF_MEDIA_TYPE and "application/json" not in accept):
             return Response(responses.protobuf(scored), media_type=PROTOBUF_MEDIA_TYPE)
+        if responses.json_is_large(scored):  # encoded piece by piece on a worker thread, never on the loop
+            return StreamingResponse(responses.json_pieces(scored), media_type=JSON_MEDIA_TYPE)
         return Response(responses.json(scored), media_type=JSON_MEDIA_TYPE)
 
     @app.post(

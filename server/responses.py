@@ -97,9 +97,15 @@ def _chunks(scored: ScoredRequest, *, chunk_bytes: int) -> Iterator[bytes]:
         yield _chunk([request_id, *_hidden_field(hidden, wire.first_row, start, stop)], index == len(starts) - 1)
 
 
-def _rows_with_nulls(values: torch.Tensor, first_row: int, num_tokens: int) -> list:
-    """All T rows for JSON: null where a row has no value (row 0, prompt rows)."""
-    return [None] * first_row + values.tolist() + [None] * (num_tokens - first_row - values.shape[0])
+# A JSON answer with more values than this is encoded in pieces on a worker thread (HTTP streams
+# it), so that its encoding never holds the event loop (and gRPC with it) for long.
+JSON_INLINE_VALUES = 1 << 16
+# Rows encoded per piece: each piece's json.dumps holds the GIL briefly, then the loop runs.
+JSON_PIECE_ROWS = 1024
+
+
+def _nulls(count: int) -> str:
+    return ",".join(["null"] * count)
 
 
 def _finite_or_null(values: torch.Tensor) -> list:
@@ -108,28 +114,52 @@ def _finite_or_null(values: torch.Tensor) -> list:
     return [[v if v != float("-inf") else None for v in row] for row in rows]
 
 
-def _json(scored: ScoredRequest) -> dict:
+def _json_items(values: torch.Tensor, first_row: int, num_tokens: int, rows_per_piece: int, convert) -> Iterator[str]:
+    """The items of a T-row JSON list, in pieces: null where a row has no value (row 0, prompt rows)."""
+    rows = values.shape[0]
+    parts_before = bool(first_row)
+    if first_row:
+        yield _nulls(first_row)
+    for start in range(0, rows, rows_per_piece):
+        text = json.dumps(convert(values[start : start + rows_per_piece]), separators=(",", ":"))[1:-1]
+        yield ("," if parts_before else "") + text
+        parts_before = True
+    if num_tokens - first_row - rows:
+        yield ("," if parts_before else "") + _nulls(num_tokens - first_row - rows)
+
+
+def _json_pieces(scored: ScoredRequest, rows_per_piece: int) -> Iterator[bytes]:
+    """The JSON answer (all T rows, null where a row has no value) as consecutive pieces."""
     result, first, total = scored.result, scored.result.first_row, scored.num_tokens
-    body: dict = {**_header(scored)}
-    if result.logprobs is not None:
-        body["logprobs"] = _rows_with_nulls(result.logprobs.float(), first, total)
-    if result.topk_ids is not None:
-        body["topk_ids"] = _rows_with_nulls(result.topk_ids, first, total)
-        body["topk_logprobs"] = _rows_with_nulls(result.topk_logprobs.float(), first, total)
-    if result.score_logprobs is not None:
-        rows = _finite_or_null(result.score_logprobs)
-        body["score_logprobs"] = [None] * first + rows + [None] * (total - first - len(rows))
+    yield json.dumps(_header(scored), separators=(",", ":"))[:-1].encode()
+    lists = (
+        ("logprobs", result.logprobs, lambda v: v.float().tolist()),
+        ("topk_ids", result.topk_ids, lambda v: v.tolist()),
+        ("topk_logprobs", result.topk_logprobs, lambda v: v.float().tolist()),
+        ("score_logprobs", result.score_logprobs, _finite_or_null),
+    )
+    for name, values, convert in lists:
+        if values is not None:
+            yield f',"{name}":['.encode()
+            for piece in _json_items(values, first, total, rows_per_piece, convert):
+                yield piece.encode()
+            yield b"]"
     hidden = result.hidden if isinstance(result, EncodedResult) else None
     if hidden is None and result.hidden_states is not None:
         hidden = RawRows.of(result.hidden_states)
     if hidden is not None:
-        body["hidden_states"] = {
-            "dtype": dtype_name(hidden.dtype),
-            "shape": list(hidden.shape),
-            "first_row": first,
-            "data": base64.b64encode(hidden.data).decode("ascii"),
-        }
-    return body
+        meta = {"dtype": dtype_name(hidden.dtype), "shape": list(hidden.shape), "first_row": first}
+        yield f',"hidden_states":{json.dumps(meta, separators=(",", ":"))[:-1]},"data":"'.encode()
+        yield base64.b64encode(hidden.data)
+        yield b'"}'
+    yield b"}"
+
+
+def _json_values(scored: ScoredRequest) -> int:
+    result = scored.result
+    per_row = 1 + sum(v.shape[1] for v in (result.topk_ids, result.topk_logprobs, result.score_logprobs)
+                      if v is not None)
+    return scored.num_tokens * per_row
 
 
 def _unembedding_chunks(weight: torch.Tensor, fingerprint: str, *, chunk_bytes: int) -> Iterator[scoring_pb2.TensorChunk]:
@@ -156,9 +186,20 @@ class Responses:
 
     def json(self, scored: ScoredRequest) -> bytes:
         """The JSON answer: all T rows, null where a row has no value."""
-        payload = json.dumps(_json(scored), separators=(",", ":")).encode()
+        payload = b"".join(_json_pieces(scored, JSON_PIECE_ROWS))
         self.metrics.response_sent(scored.teacher, scored.mode, len(payload))
         return payload
+
+    def json_is_large(self, scored: ScoredRequest) -> bool:
+        """Whether the JSON answer is too large to encode on the event loop (see `json_pieces`)."""
+        return _json_values(scored) > JSON_INLINE_VALUES
+
+    def json_pieces(self, scored: ScoredRequest, *, rows_per_piece: int = JSON_PIECE_ROWS) -> Iterator[bytes]:
+        """The JSON answer in pieces, the same bytes as `json`: for a large answer, iterated on a
+        worker thread (HTTP streams it), each piece a short hold of the GIL."""
+        for piece in _json_pieces(scored, rows_per_piece):
+            self.metrics.response_sent(scored.teacher, scored.mode, len(piece))
+            yield piece
 
     def chunks(self, scored: ScoredRequest) -> Iterator[bytes]:
         """The streamed answer, serialised ScoreChunks: header and small outputs, then hidden
