@@ -126,7 +126,7 @@ def report_engines(args, model: Path, vocab: int) -> None:
             for transport, label, rows, front, workers, hidden, wall, count in measure(
                 server, seqs, args.transports.split(","), args.concurrency
             ):
-                rate = f"{hidden / front / 1e9:>15.2f}" if hidden else f"{'':>15}"
+                rate = f"{hidden / front / 1e9:>15.2f}" if hidden and front else f"{'':>15}"
                 worker = f"{workers / rows * 1e6:>8.2f}" if count else f"{'-':>8}"
                 print(f"{engine:<7} {transport:<9} {label:<9} {front / rows * 1e6:>8.2f} {worker} {count:>7} "
                       f"{rate} {rows / wall:>9.0f}", flush=True)
@@ -217,11 +217,11 @@ def report_capacity(args, model: Path, wide: Path) -> None:
         front, workers, wall, _ = capacity_run(model, replicas, seqs, args.capacity_requests)
         tokens = args.capacity_requests * rows
         print(f"{replicas:>8} {front / tokens * 1e6:>15.2f} {workers / tokens * 1e6:>16.2f} {tokens / wall:>10.0f} "
-              f"{tokens / front:>30.0f}", flush=True)
+              f"{tokens / max(front, 1e-9):>30.0f}", flush=True)
     requests = max(16, args.capacity_requests // 4)
     front, _, wall, received = capacity_run(wide, 1, seqs, requests, hidden=True)
     print(f"hidden states through the front (ScoreStream, a {WIDE_HIDDEN}-wide float32 teacher: "
-          f"{WIDE_HIDDEN * 4} bytes a row, {requests} requests): {received / front / 1e9:.2f} GB per front CPU-second, "
+          f"{WIDE_HIDDEN * 4} bytes a row, {requests} requests): {received / max(front, 1e-9) / 1e9:.2f} GB per front CPU-second, "
           f"{received / wall / 1e9:.2f} GB/s wall", flush=True)
 
 
