@@ -30,7 +30,7 @@ from proctor.server.engines.base import (
     serving_dtype,
 )
 from proctor.server.engines.torch_media import PreparedMedia, TorchMedia, is_multimodal, load_multimodal_model
-from proctor.server.engines.torch_prefix import TorchPrefix, supports_prompt_cache
+from proctor.server.engines.torch_prefix import TorchPrefix, batch_cache, supports_prompt_cache
 from proctor.server.fingerprint import model_fingerprint
 from proctor.server.prompt_reuse import ReuseSettings
 
@@ -221,7 +221,8 @@ class TorchEngine(TeacherEngine):
             ids[row, : request.num_tokens] = request.token_ids
             mask[row, : request.num_tokens] = 1
         self.forward_passes += 1
-        out = body(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=keep_cache)
+        kept = {"use_cache": True, "past_key_values": batch_cache()} if keep_cache else {"use_cache": False}
+        out = body(input_ids=ids.to(device), attention_mask=mask.to(device), **kept)
         hidden = out.last_hidden_state
         # Position i-1 produces row i: each request's rows first_row..T-1.
         states = [hidden[i, r.first_row - 1 : r.num_tokens - 1] for i, r in enumerate(batch)]

@@ -15,14 +15,15 @@ hidden-state output all follow from them unchanged (`TorchEngine._head_outputs`)
 attention makes a position's result depend only on the positions before it, so the cached
 result equals an independent forward up to float rounding (tested at 1e-5 in float32).
 
-Only models whose every cache layer is a plain full-attention `DynamicLayer` are served this way
-(a sliding-window layer keeps only its window, so its prompt state is not the prompt's KV);
-others are scored whole, as with reuse off. Memory: a leader's pass keeps its batch's KV until
-the prompt slices are copied out; an entry costs 2 * layers * kv_heads * head_dim * P values.
+Only models whose every attention layer is full attention are served this way (a sliding-window
+layer keeps only its window, so its prompt state is not the prompt's KV); others are scored
+whole, as with reuse off. Memory: a leader's pass keeps its batch's KV (`batch_cache`, the
+tensors the attention computed, not a copy) until the prompt slices are copied out; an entry costs 2 * layers * kv_heads * head_dim * P values.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -166,12 +167,36 @@ class TorchPrefix:
         self.cache.clear()
 
 
-def _prompt_state(cache, slot: int, prompt_length: int, last_hidden: torch.Tensor) -> PromptState | None:
-    """One request's prompt slice of a padded batch's KV cache, copied out of the batch."""
+def batch_cache():
+    """The cache a padded pass that keeps its prompts runs with: each layer holds the batch's keys
+    and values as the attention got them (transformers' DynamicCache would copy them into a cache
+    of its own, a few percent of the pass), until the leaders' prompt slices are copied out."""
+    from transformers.cache_utils import Cache
+
+    return Cache(layer_class_to_replicate=_kept_layer())
+
+
+@functools.cache
+def _kept_layer() -> type:
     from transformers.cache_utils import DynamicLayer
 
+    class KeptLayer(DynamicLayer):
+        """A cache layer that keeps the keys and values of one pass as they are (no copy)."""
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            self.keys, self.values = key_states, value_states
+            return key_states, value_states
+
+    return KeptLayer
+
+
+def _prompt_state(cache, slot: int, prompt_length: int, last_hidden: torch.Tensor) -> PromptState | None:
+    """One request's prompt slice of a padded batch's KV cache, copied out of the batch."""
     layers = []
-    if cache is None or any(type(layer) is not DynamicLayer for layer in cache.layers):
+    layer_list = getattr(cache, "layers", None)
+    if not layer_list or any(not isinstance(layer, _kept_layer()) or layer.keys is None for layer in layer_list):
         return None
     for layer in cache.layers:
         keys, values = layer.keys, layer.values
