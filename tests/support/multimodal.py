@@ -84,13 +84,10 @@ def decode(item: Media, kind: str):
             path = str(Path(folder) / "clip.mp4")
             Path(path).write_bytes(item.data)
             capture, frames = cv2.VideoCapture(path), []
-            while True:
-                ok, frame = capture.read()
-                if not ok:
-                    break
-                frames.append(cv2.cvtColor(frame, cv2.COLOR_BGR2RGB))
+            while capture.grab():  # frame by frame, BGR as OpenCV decodes it, flipped to RGB
+                frames.append(capture.retrieve()[1][..., ::-1])
             capture.release()
-        return np.stack(frames)
+        return np.ascontiguousarray(np.stack(frames))
     return np.load(io.BytesIO(item.data), allow_pickle=False)
 
 
