@@ -274,7 +274,7 @@ def vllm_ray_server(ray_cluster, tmp_path_factory, vllm_model_dir):
 
 
 def _engine_core(engine, timeout: float = 30.0) -> psutil.Process:
-    """The EngineCore process among the replica's actor's children.
+    """The EngineCore process among the replica's actor's direct children.
 
     vLLM renames its engine-core process (to VLLM::EngineCore) only once that process runs, so
     right after a restart the child may still carry its interpreter's name: look until exactly
@@ -284,7 +284,9 @@ def _engine_core(engine, timeout: float = 30.0) -> psutil.Process:
     deadline = time.monotonic() + timeout
     while True:
         cores, names = [], []
-        for child in actor.children(recursive=True):
+        # Direct children only: the EngineCore's own worker process (vLLM's multiproc executor)
+        # is spawned the same way and may not be renamed yet either.
+        for child in actor.children():
             try:
                 title = f"{child.name()} {' '.join(child.cmdline())}"
             except psutil.Error:
