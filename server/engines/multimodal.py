@@ -157,10 +157,6 @@ def run_lengths(ids: list[int] | np.ndarray, placeholders: Placeholders, kinds: 
     return {kind: [length for _, length in runs(array, placeholders.token_ids[kind])] for kind in kinds}
 
 
-def media_kinds(request: EngineRequest) -> list[str]:
-    return [kind for kind, count in _item_counts(request).items() if count]
-
-
 def decoded_media(request: EngineRequest) -> dict[str, list[Any]]:
     """vLLM's `multi_modal_data` as the service decoded it (`media.decode_media`)."""
     media = request.media

@@ -197,7 +197,7 @@ class TorchEngine(TeacherEngine):
                 if batch[i].hidden_states:
                     results[i].hidden_states = states[i].to("cpu").clone()
             self._head_outputs(model, [batch[i] for i in kept], [states[i] for i in kept], [results[i] for i in kept])
-            return [results[i] if i in kept else states[i] for i in range(len(batch))]
+            return [states[i] if isinstance(states[i], RequestRejected) else results[i] for i in range(len(batch))]
 
     def _text_states(self, batch: list[EngineRequest], results: list[EngineResult]) -> list[torch.Tensor]:
         """Rows of hidden states for text-only requests: one padded pass of the decoder body,

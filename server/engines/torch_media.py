@@ -15,6 +15,7 @@ against the sent ids (`multimodal.check_runs`) before anything is scored. `mm_to
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,9 +30,9 @@ from proctor.server.engines.multimodal import (
     check_counts,
     check_runs,
     decoded_media,
-    media_kinds,
     run_lengths,
 )
+from proctor.server.media import MM_KEYS
 
 # Architectures whose checkpoint wraps the scoring model: the Omni models' Thinker.
 _WRAPPED = {"Qwen2_5OmniForConditionalGeneration": "thinker", "Qwen3OmniMoeForConditionalGeneration": "thinker"}
@@ -80,14 +81,14 @@ class TorchMedia:
         problem = check_counts(request, self.placeholders)
         if problem is not None:
             return problem
-        kinds = media_kinds(request)
+        kinds = request.media.kinds()
         data = decoded_media(request)
         # One placeholder per item, each on its own line: adjacent ones would expand into one run.
         template = "\n".join(getattr(self.processor, _PROCESSOR_TOKENS[kind])
                               for kind in kinds for _ in getattr(request.media, kind))
         arguments: dict[str, Any] = {}
         for kind in kinds:
-            items = data[{"images": "image", "videos": "video", "audios": "audio"}[kind]]
+            items = data[MM_KEYS[kind]]
             if kind == "videos":  # (frames, metadata) from a container; the frames from .npy
                 items = [item[0] if isinstance(item, tuple) else item for item in items]
             if kind == "audios":
@@ -131,7 +132,7 @@ class TorchMedia:
             ids = request.token_ids[None].to(device)
             dtype = next(model.parameters()).dtype
             inputs = {key: _to_model(value, device, dtype) for key, value in prepared.inputs.items()}
-            extra = {"logits_to_keep": 1} if "logits_to_keep" in _forward_args(model) else {}
+            extra = {"logits_to_keep": 1} if "logits_to_keep" in _forward_args(type(model)) else {}
             try:
                 model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False, **inputs, **extra)
             except (ValueError, IndexError) as exc:  # the model's own input checks (positions, markers)
@@ -151,7 +152,9 @@ def _to_model(value: Any, device: torch.device, dtype: torch.dtype) -> Any:
     return value.to(device, dtype) if value.is_floating_point() else value.to(device)
 
 
-def _forward_args(model: torch.nn.Module) -> tuple[str, ...]:
+@functools.cache
+def _forward_args(model_class: type) -> tuple[str, ...]:
+    """The forward's parameter names, read once per model class (not per request)."""
     import inspect
 
-    return tuple(inspect.signature(model.forward).parameters)
+    return tuple(inspect.signature(model_class.forward).parameters)

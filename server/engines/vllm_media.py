@@ -24,7 +24,6 @@ from proctor.server.engines.multimodal import (
     check_runs,
     collapse_runs,
     decoded_media,
-    media_kinds,
     run_lengths,
 )
 
@@ -61,7 +60,7 @@ class VllmMedia:
             return
         if expanded is None:
             raise RequestRejected("token_ids", "the engine reported no prompt ids to check the placeholders against")
-        kinds = media_kinds(request)
+        kinds = request.media.kinds()
         problem = check_runs(request, self.placeholders, run_lengths(expanded, self.placeholders, kinds))
         if problem is None and not np.array_equal(np.asarray(expanded), request.token_ids.numpy()):
             problem = RequestRejected(
