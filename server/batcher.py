@@ -78,8 +78,8 @@ class Batcher:
         self._queue.append(pending)
         self.sink.queue_changed(self.teacher, waiting=1)
         self._wakeup.set()
-        try:
-            return await asyncio.shield(pending.future)
+        try:  # a cancelled wait cancels the future too: the batch then skips this request
+            return await pending.future
         except asyncio.CancelledError:
             if not pending.future.done():
                 pending.future.cancel()
@@ -117,41 +117,45 @@ class Batcher:
                 self._wakeup.clear()
                 await self._wakeup.wait()
             batch = self._take_batch()
-            if not batch:
-                continue
-            self.batches += 1
-            self.running_requests = len(batch)
-            self._running = {p.request.key for p in batch}
-            started = time.monotonic()
-            try:
-                results = await self.engine.score([p.request for p in batch])
-                if len(results) != len(batch):
-                    raise EngineError(f"engine answered {len(results)} outcomes for a batch of {len(batch)}")
-            except asyncio.CancelledError:
-                for pending in batch:
-                    if not pending.future.done():
-                        pending.future.cancel()
-                raise
-            except Exception as exc:  # the engine failed the whole batch: every caller hears why
-                log.warning("engine failed a batch of %d: %s", len(batch), exc)
-                for pending in batch:
-                    if not pending.future.done():
-                        pending.future.set_exception(exc)
-            else:
-                engine_seconds = time.monotonic() - started
-                for pending, outcome in zip(batch, results, strict=True):
-                    if pending.future.done():
-                        continue
-                    if isinstance(outcome, BaseException):
-                        pending.future.set_exception(outcome)
-                        continue
-                    outcome.queue_seconds = started - pending.queued_at
-                    outcome.engine_seconds = engine_seconds
-                    pending.future.set_result(outcome)
-            finally:
-                self.running_requests = 0
-                self._running = set()
-                self.sink.queue_changed(self.teacher, running=-len(batch))
+            if batch:
+                await self._run(batch)
+            del batch  # nothing of a scored batch outlives it here (its answers may hold shared memory)
+
+    async def _run(self, batch: list[_Pending]) -> None:
+        """Score one batch and hand each caller its outcome."""
+        self.batches += 1
+        self.running_requests = len(batch)
+        self._running = {p.request.key for p in batch}
+        started = time.monotonic()
+        try:
+            results = await self.engine.score([p.request for p in batch])
+            if len(results) != len(batch):
+                raise EngineError(f"engine answered {len(results)} outcomes for a batch of {len(batch)}")
+        except asyncio.CancelledError:
+            for pending in batch:
+                if not pending.future.done():
+                    pending.future.cancel()
+            raise
+        except Exception as exc:  # the engine failed the whole batch: every caller hears why
+            log.warning("engine failed a batch of %d: %s", len(batch), exc)
+            for pending in batch:
+                if not pending.future.done():
+                    pending.future.set_exception(exc)
+        else:
+            engine_seconds = time.monotonic() - started
+            for pending, outcome in zip(batch, results, strict=True):
+                if pending.future.done():
+                    continue
+                if isinstance(outcome, BaseException):
+                    pending.future.set_exception(outcome)
+                    continue
+                outcome.queue_seconds = started - pending.queued_at
+                outcome.engine_seconds = engine_seconds
+                pending.future.set_result(outcome)
+        finally:
+            self.running_requests = 0
+            self._running = set()
+            self.sink.queue_changed(self.teacher, running=-len(batch))
 
 
 def _log_abort_failure(task: asyncio.Task) -> None:

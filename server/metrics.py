@@ -12,6 +12,8 @@ registry, so several servers in one process (tests) never share counts.
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 # Scoring is a prefill: most requests finish well under a second, long multimodal ones in a few.
@@ -53,6 +55,7 @@ class Metrics(MetricsSink):
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         r = self.registry
         self.requests = Counter("proctor:requests", "Scoring requests by outcome.",
                                 ["teacher", "mode", "outcome"], registry=r)
@@ -92,48 +95,57 @@ class Metrics(MetricsSink):
                                            "Requests prompt reuse applied to whose prompt was computed.",
                                            ["teacher"], registry=r)
 
+    def _series(self, metric: Any, *labels: str) -> Any:
+        """`metric.labels(*labels)`, looked up once: prometheus_client's own lookup (label
+        checks, a lock) costs microseconds, and the front reports several series per request."""
+        key = (id(metric), labels)  # the metrics live as long as this object
+        series = self._children.get(key)
+        if series is None:
+            series = self._children[key] = metric.labels(*labels)
+        return series
+
     # -- the sink --------------------------------------------------------------------------
     def replica_state(self, teacher: str, replica: str, healthy: bool) -> None:
-        self.replica_healthy.labels(teacher, replica).set(1.0 if healthy else 0.0)
+        self._series(self.replica_healthy, teacher, replica).set(1.0 if healthy else 0.0)
         for counter in (self.replica_failures, self.replica_restarts, self.replica_results):
-            counter.labels(teacher, replica)  # every replica's series exists from its first state
+            self._series(counter, teacher, replica)  # every replica's series exists from its first state
 
     def replica_failed(self, teacher: str, replica: str) -> None:
-        self.replica_failures.labels(teacher, replica).inc()
+        self._series(self.replica_failures, teacher, replica).inc()
 
     def replica_restarted(self, teacher: str, replica: str) -> None:
-        self.replica_restarts.labels(teacher, replica).inc()
+        self._series(self.replica_restarts, teacher, replica).inc()
 
     def replica_scored(self, teacher: str, replica: str) -> None:
-        self.replica_results.labels(teacher, replica).inc()
+        self._series(self.replica_results, teacher, replica).inc()
 
     def queue_changed(self, teacher: str, *, waiting: int = 0, running: int = 0) -> None:
         if waiting:
-            self.waiting.labels(teacher).inc(waiting)
+            self._series(self.waiting, teacher).inc(waiting)
         if running:
-            self.running.labels(teacher).inc(running)
+            self._series(self.running, teacher).inc(running)
 
     def teacher_swapped(self, teacher: str) -> None:
-        self.teacher_swaps.labels(teacher).inc()
+        self._series(self.teacher_swaps, teacher).inc()
 
     def prompt_reused(self, teacher: str, tokens: int) -> None:
-        (self.prompt_reuse_hits if tokens > 0 else self.prompt_reuse_misses).labels(teacher).inc()
-        self.prompt_reuse_tokens.labels(teacher).inc(tokens)
+        self._series(self.prompt_reuse_hits if tokens > 0 else self.prompt_reuse_misses, teacher).inc()
+        self._series(self.prompt_reuse_tokens, teacher).inc(tokens)
 
     # -- the service's own counts ----------------------------------------------------------
     def request_done(self, teacher: str, mode: str, outcome: str) -> None:
-        self.requests.labels(teacher, mode, outcome).inc()
+        self._series(self.requests, teacher, mode, outcome).inc()
 
     def request_scored(self, teacher: str, mode: str, tokens: int, *, latency: float, queue: float,
                        engine: float) -> None:
-        self.requests.labels(teacher, mode, "ok").inc()
-        self.scored_tokens.labels(teacher, mode).inc(tokens)
-        self.request_latency.labels(teacher).observe(latency)
-        self.queue_time.labels(teacher).observe(queue)
-        self.engine_time.labels(teacher).observe(engine)
+        self._series(self.requests, teacher, mode, "ok").inc()
+        self._series(self.scored_tokens, teacher, mode).inc(tokens)
+        self._series(self.request_latency, teacher).observe(latency)
+        self._series(self.queue_time, teacher).observe(queue)
+        self._series(self.engine_time, teacher).observe(engine)
 
     def response_sent(self, teacher: str, mode: str, size: int) -> None:
-        self.response_bytes.labels(teacher, mode).inc(size)
+        self._series(self.response_bytes, teacher, mode).inc(size)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -177,9 +177,10 @@ class ScoringService:
             return await teacher.score(request)
         if limit <= 0:
             raise ScoringError(Code.DEADLINE_EXCEEDED, "deadline already passed before scoring started")
-        try:
-            return await asyncio.wait_for(teacher.score(request), timeout=limit)
-        except asyncio.TimeoutError as exc:
+        try:  # a timeout scope, not wait_for: no task of its own per request
+            async with asyncio.timeout(limit):
+                return await teacher.score(request)
+        except TimeoutError as exc:
             raise ScoringError(Code.DEADLINE_EXCEEDED, f"not scored within the deadline ({limit:.3f}s)") from exc
 
     # -- catalogue -------------------------------------------------------------------------

@@ -176,7 +176,9 @@ def _temperature(request: scoring_pb2.ScoreRequest, info: EngineInfo, teacher: s
     return float(value)
 
 
-def _media_inputs(request: scoring_pb2.ScoreRequest, info: EngineInfo, teacher: str) -> MultiModalInputs:
+def _media_inputs(request: scoring_pb2.ScoreRequest, info: EngineInfo, teacher: str) -> MultiModalInputs | None:
+    if not (request.images or request.videos or request.audios or request.mm_processor_kwargs):
+        return None  # a text request (most of them) builds nothing
     media = MultiModalInputs(
         images=_items(request.images, "images"),
         videos=_items(request.videos, "videos"),

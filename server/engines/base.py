@@ -12,6 +12,7 @@ token i given tokens 0..i-1, rows `first_row..T-1` are returned.
 from __future__ import annotations
 
 import abc
+import itertools
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Union
@@ -54,6 +55,11 @@ class MultiModalInputs:
         return [name for name in ("images", "videos", "audios") if getattr(self, name)]
 
 
+# Request keys: this process's random prefix and a count (a uuid4 per request costs more).
+_KEY_PREFIX = uuid.uuid4().hex[:16]
+_KEYS = itertools.count()
+
+
 @dataclass(frozen=True)
 class EngineRequest:
     """One validated sequence to score."""
@@ -70,7 +76,7 @@ class EngineRequest:
     score_ids: torch.Tensor | None = None
     # Unique per validated request (request_id is the caller's and may repeat): what
     # `TeacherEngine.abort` names.
-    key: str = field(default_factory=lambda: uuid.uuid4().hex)
+    key: str = field(default_factory=lambda: f"{_KEY_PREFIX}-{next(_KEYS)}")
     # Divides the logits before the log-softmax (log-probs and top-k; hidden states unchanged).
     temperature: float = 1.0
 

@@ -1,4 +1,4 @@
-"""A replica worker: one teacher engine in a process of its own (`python -m ...engine_host FD`).
+"""A replica worker: one teacher engine in a process of its own (`python -m ...engine_host FD [ARENA_FD]`).
 
 The server's front process starts one per replica (`SubprocessEngine`), whatever the engine,
 with the replica's environment given explicitly (its `*_VISIBLE_DEVICES`), so the engine's own
@@ -8,8 +8,9 @@ owns everything per token: its engine (vLLM's output processing, the torch forwa
 Python) and the encoding of each result into the wire's bytes (`wire_result`), so the front
 only moves bytes. It serves the engine protocol over the socket `FD` (see `host_protocol`):
 scoring calls run concurrently, aborts reach the engine while its batch runs, and health
-checks are answered by the engine's own probe. When the front goes away (the socket closes)
-the worker closes its engine and exits.
+checks are answered by the engine's own probe. The large buffers of its replies go through
+the shared arena the front passed it (`shared_arena`), when there is one. When the front goes
+away (the socket closes) the worker closes its engine and exits.
 """
 
 from __future__ import annotations
@@ -80,7 +81,10 @@ class EngineHost:
 
     def _dispatch(self, message: tuple[Any, ...]) -> None:
         kind = message[0]
-        if kind == "abort":
+        if kind == "free":  # the front is done with these blocks of the shared arena
+            if self.channel.arena_out is not None:
+                self.channel.arena_out.free(message[1])
+        elif kind == "abort":
             self._spawn(self.engine.abort(list(message[1])))
         elif kind == "score":
             self._spawn(self._reply(message[1], self._score(message[2])))
@@ -112,16 +116,18 @@ class EngineHost:
         await self.channel.drain()
 
 
-async def _main(fd: int) -> None:
+async def _main(fd: int, arena_fd: int | None) -> None:
     sock = socket.socket(fileno=fd)
     channel = await Channel.open(sock)
+    if arena_fd is not None:
+        channel.use_arena_for_sending(arena_fd)
     await EngineHost(channel).serve()
     channel.close()
 
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(_main(int(sys.argv[1])))
+    asyncio.run(_main(int(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else None))
 
 
 if __name__ == "__main__":

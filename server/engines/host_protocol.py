@@ -1,7 +1,10 @@
 """The messages between the front and a replica worker process, and their framing.
 
-A frame is an 8-byte little-endian length, then a count of out-of-band buffers and their
-lengths, the pickle, and the buffers. Pickle, because what travels is the engine protocol's
+A frame is an 8-byte little-endian length, then a count of out-of-band buffers, the pickle's
+length, each buffer's length and place, the pickle, and the buffers that travel in the frame: a
+buffer's place is 0 in the frame, or 1 + its offset in the worker's shared arena
+(`shared_arena`: where the worker puts the large buffers of its replies, so the front reads them
+without a socket copy). Pickle, because what travels is the engine protocol's
 own dataclasses (requests, outcomes) between two processes of one installation that trust each
 other (the worker is the front's own child, on a socket pair nobody else holds). Results travel
 in wire form (`wire_result.EncodedResult`, a few `bytes`); the large ones (a top-64 answer, hidden
@@ -12,7 +15,8 @@ and shape: torch's own pickling goes through `torch.save` and costs tens of µs 
 front's event loop. Messages are tuples whose first item names them:
 
 front → worker: ("start", spec, build) · ("score", call, batch) · ("abort", keys) · ("health", call) ·
-                ("close",)   (build: the engine factory, None for `create_engine`)
+                ("free", offsets) · ("close",)   (build: the engine factory, None for `create_engine`;
+                offsets: blocks of the shared arena the front is done with)
 worker → front: ("ready", info, token_budget) · ("start_failed", message) ·
                 ("reply", call, value) · ("failed", call, message)
 """
@@ -31,15 +35,18 @@ import numpy as np
 import torch
 
 from proctor.proto import DTYPES
+from proctor.server.engines.shared_arena import ArenaReader, ArenaWriter
 
 log = logging.getLogger(__name__)
 
 _HEADER = struct.Struct("<Q")
-_COUNT = struct.Struct("<I")
+_PLACE = struct.Struct("<QQ")  # (count, pickle length), then per buffer (length, place)
 # A frame larger than this is a broken stream, not a message (hidden states are ~MiBs).
 MAX_FRAME_BYTES = 16 << 30
 # Bytes at least this large travel out of band (see `out_of_band`).
 OUT_OF_BAND_BYTES = 64 << 10
+# Out-of-band bytes at least this large go through the shared arena, where the channel has one.
+ARENA_MIN_BYTES = OUT_OF_BAND_BYTES
 
 
 def out_of_band(data: bytes, protocol: int) -> bytes | pickle.PickleBuffer:
@@ -71,15 +78,24 @@ class _Pickler(pickle.Pickler):
         return NotImplemented
 
 
-def frame(message: Any) -> list[bytes | memoryview]:
-    """`message` as one frame's parts (tensors as raw bytes, large bytes out of band)."""
+def frame(message: Any, arena: ArenaWriter | None = None) -> list[bytes | memoryview]:
+    """`message` as one frame's parts (tensors as raw bytes, large bytes out of band: in `arena`
+    where one is given and has room, else in the frame)."""
     buffers: list[pickle.PickleBuffer] = []
     stream = io.BytesIO()
     _Pickler(stream, protocol=5, buffer_callback=buffers.append).dump(message)
-    views = [stream.getbuffer(), *(b.raw() for b in buffers)]
-    lengths = _COUNT.pack(len(buffers)) + b"".join(_HEADER.pack(v.nbytes) for v in views)
-    size = len(lengths) + sum(v.nbytes for v in views)
-    return [_HEADER.pack(size), lengths, *views]
+    pickled = stream.getbuffer()
+    inline: list[memoryview] = [pickled]
+    places = [_PLACE.pack(len(buffers), pickled.nbytes)]
+    for buffer in buffers:
+        raw = buffer.raw()
+        offset = arena.place(raw) if arena is not None and raw.nbytes >= ARENA_MIN_BYTES else None
+        if offset is None:
+            inline.append(raw)
+        places.append(_PLACE.pack(raw.nbytes, 0 if offset is None else offset + 1))
+    head = b"".join(places)
+    size = len(head) + sum(v.nbytes for v in inline)
+    return [_HEADER.pack(size), head, *inline]
 
 
 def dumps(message: Any) -> bytes:
@@ -87,16 +103,22 @@ def dumps(message: Any) -> bytes:
     return b"".join(frame(message))
 
 
-def parse(body: memoryview) -> Any:
-    """The message of a frame's body (after its length); out-of-band buffers are views of it."""
-    (count,) = _COUNT.unpack_from(body)
-    offset = _COUNT.size
-    lengths = [_HEADER.unpack_from(body, offset + i * _HEADER.size)[0] for i in range(count + 1)]
-    offset += (count + 1) * _HEADER.size
-    views = []
-    for length in lengths:
-        views.append(body[offset : offset + length])
-        offset += length
+def parse(body: memoryview, arena: ArenaReader | None = None) -> Any:
+    """The message of a frame's body (after its length); out-of-band buffers are views of it or,
+    those placed in the shared arena, of `arena`."""
+    count, pickled = _PLACE.unpack_from(body)
+    places = [_PLACE.unpack_from(body, _PLACE.size * (1 + i)) for i in range(count)]
+    offset = _PLACE.size * (1 + count)
+    views = [body[offset : offset + pickled]]
+    offset += pickled
+    for length, place in places:
+        if place:
+            if arena is None:
+                raise ConnectionError("replica worker frame names a shared arena this end does not have")
+            views.append(arena.view(place - 1, length))
+        else:
+            views.append(body[offset : offset + length])
+            offset += length
     if offset != len(body):
         raise ConnectionError(f"replica worker frame of {len(body)} bytes holds {offset}: the stream is corrupt")
     return pickle.loads(views[0], buffers=views[1:])
@@ -118,6 +140,7 @@ class _FrameProtocol(asyncio.BufferedProtocol):
         self._writable = asyncio.Event()
         self._writable.set()
         self.transport: asyncio.Transport | None = None
+        self.arena: ArenaReader | None = None  # where this end reads the arena's buffers
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -143,7 +166,7 @@ class _FrameProtocol(asyncio.BufferedProtocol):
             return
         body, self._body, self._filled = self._body, None, 0
         try:
-            self.messages.put_nowait(parse(memoryview(body)))
+            self.messages.put_nowait(parse(memoryview(body), self.arena))
         except Exception:
             log.exception("unreadable frame from the other end of a replica worker's socket")
             self.transport.close()
@@ -163,20 +186,35 @@ class _FrameProtocol(asyncio.BufferedProtocol):
 
 
 class Channel:
-    """One end of the front ↔ worker socket: `send` frames, `receive` messages (None at the end)."""
+    """One end of the front ↔ worker socket: `send` frames, `receive` messages (None at the end).
+
+    A worker's channel may write the large buffers of its frames into a shared arena
+    (`use_arena_for_sending`); the front's reads them there (`read_arena`) and reports the blocks
+    it is done with as ("free", offsets) messages."""
 
     def __init__(self, transport: asyncio.Transport, protocol: _FrameProtocol) -> None:
         self.transport = transport
         self.protocol = protocol
+        self.arena_out: ArenaWriter | None = None
 
     @classmethod
     async def open(cls, sock: socket.socket) -> Channel:
         transport, protocol = await asyncio.get_running_loop().create_unix_connection(_FrameProtocol, sock=sock)
         return cls(transport, protocol)
 
+    def use_arena_for_sending(self, fd: int) -> None:
+        self.arena_out = ArenaWriter(fd)
+
+    def read_arena(self, fd: int) -> None:
+        def report(offsets: list[int]) -> None:
+            if not self.transport.is_closing():
+                self.send(("free", offsets))
+
+        self.protocol.arena = ArenaReader(fd, report)
+
     def send(self, message: Any) -> None:
         """Queue one whole frame (one call, no await: frames from concurrent tasks never interleave)."""
-        self.transport.writelines(frame(message))
+        self.transport.writelines(frame(message, self.arena_out))
 
     async def drain(self) -> None:
         """Wait while the socket's write buffer is over its high-water mark."""
@@ -186,4 +224,6 @@ class Channel:
         return await self.protocol.messages.get()
 
     def close(self) -> None:
+        if self.protocol.arena is not None:
+            self.protocol.arena.closed = True
         self.transport.close()

@@ -45,6 +45,7 @@ from proctor.server.engines.base import (
 )
 from proctor.server.engines.checkpoint import load_unembedding
 from proctor.server.engines.host_protocol import Channel
+from proctor.server.engines.shared_arena import create_arena
 from proctor.server.pool import VISIBLE_DEVICES_ENV
 
 log = logging.getLogger(__name__)
@@ -118,16 +119,24 @@ class SubprocessEngine(TeacherEngine):
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         ours, theirs = socket.socketpair()
+        arena = create_arena()  # the worker's large reply buffers come through it (`shared_arena`)
+        fds = (theirs.fileno(),) if arena is None else (theirs.fileno(), arena)
         env = {**os.environ, **engine_environment(self.spec), **self.extra_env, "PYTHONUNBUFFERED": "1"}
         try:
             self._proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "proctor.server.engines.engine_host", str(theirs.fileno()),
-                pass_fds=(theirs.fileno(),), env=env, start_new_session=True,
+                sys.executable, "-m", "proctor.server.engines.engine_host", *map(str, fds),
+                pass_fds=fds, env=env, start_new_session=True,
                 stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
             )
+        except BaseException:
+            if arena is not None:
+                os.close(arena)
+            raise
         finally:
             theirs.close()
         self._channel = await Channel.open(ours)
+        if arena is not None:
+            self._channel.read_arena(arena)
         self._ready = loop.create_future()
         self._tasks = [
             loop.create_task(self._read_replies(), name=f"proctor-host-{self.name}-replies"),
@@ -202,22 +211,26 @@ class SubprocessEngine(TeacherEngine):
     async def _read_replies(self) -> None:
         assert self._channel is not None
         while (message := await self._channel.receive()) is not None:
-            kind = message[0]
-            if kind == "ready":
-                if not self._ready.done():
-                    self._ready.set_result((message[1], message[2]))
-            elif kind == "start_failed":
-                if not self._ready.done():
-                    self._ready.set_exception(EngineError(
-                        f"{self.name}: engine failed to start: {message[1]}; its last output:\n{self.log_tail()}"))
+            self._on_message(message)
+            message = None  # a reply's buffers (shared memory) are not held while the next is awaited
+
+    def _on_message(self, message: tuple[Any, ...]) -> None:
+        kind = message[0]
+        if kind == "ready":
+            if not self._ready.done():
+                self._ready.set_result((message[1], message[2]))
+        elif kind == "start_failed":
+            if not self._ready.done():
+                self._ready.set_exception(EngineError(
+                    f"{self.name}: engine failed to start: {message[1]}; its last output:\n{self.log_tail()}"))
+        else:
+            future = self._calls.get(message[1])
+            if future is None or future.done():
+                return
+            if kind == "reply":
+                future.set_result(message[2])
             else:
-                future = self._calls.get(message[1])
-                if future is None or future.done():
-                    continue
-                if kind == "reply":
-                    future.set_result(message[2])
-                else:
-                    future.set_exception(EngineError(f"{self.name}: {message[2]}"))
+                future.set_exception(EngineError(f"{self.name}: {message[2]}"))
 
     async def _pump_output(self) -> None:
         """Keep the host's last lines (for errors) and pass them on to this process's stderr."""
