@@ -159,15 +159,20 @@ async def serve_front(replicas: int, model: str) -> None:
     await server.serve_forever()
 
 
-async def flood(target: str, seqs: list[list[int]], requests: int, concurrency: int, *, hidden: bool = False) -> int:
-    """`requests` calls over gRPC (top-64, or hidden states through ScoreStream), answers kept as
-    bytes (the client parses nothing); the bytes answered."""
-    import grpc
-
+def _requests(seqs: list[list[int]], hidden: bool) -> list[bytes]:
     from proctor.proto import scoring_pb2
 
     asked = {"logprobs": False, "hidden_states": True} if hidden else {"topk": 64}
-    messages = [scoring_pb2.ScoreRequest(token_ids=ids, **asked).SerializeToString() for ids in seqs]
+    return [scoring_pb2.ScoreRequest(token_ids=ids, **asked).SerializeToString() for ids in seqs]
+
+
+async def flood(target: str, messages: list[bytes], requests: int, concurrency: int, *, hidden: bool = False,
+                keep: dict | None = None) -> int:
+    """`requests` calls over gRPC (top-64, or hidden states through ScoreStream), answers kept as
+    bytes (the client parses nothing); the bytes answered. `keep` collects each message's answer
+    (its chunks), for the bare gRPC server to replay."""
+    import grpc
+
     received = 0
     async with grpc.aio.insecure_channel(target, options=[("grpc.max_receive_message_length", 64 << 20)]) as channel:
         unary = channel.unary_unary("/proctor.v1.TeacherScoring/Score")
@@ -178,31 +183,85 @@ async def flood(target: str, seqs: list[list[int]], requests: int, concurrency: 
             nonlocal received
             while left:
                 message = messages[left.pop() % len(messages)]
-                if hidden:
-                    async for chunk in stream(message):
-                        received += len(chunk)
-                else:
-                    received += len(await unary(message))
+                chunks = [chunk async for chunk in stream(message)] if hidden else [await unary(message)]
+                received += sum(len(c) for c in chunks)
+                if keep is not None:
+                    keep[message] = chunks
 
         await asyncio.gather(*(one_client() for _ in range(concurrency)))
     return received
 
 
-def capacity_run(model: Path, replicas: int, seqs: list[list[int]], requests: int, *, hidden: bool = False):
-    """(front CPU s, workers' CPU s, wall s, bytes answered) of `requests` calls to a fresh front."""
+async def serve_bare(answers_file: str) -> None:
+    """A bare grpc.aio server replaying proctor's own answers (run as its own process): the floor
+    gRPC itself sets for moving those bytes, measured beside the front in the same run."""
+    import pickle
+
+    import grpc
+
+    answers: dict[bytes, list[bytes]] = pickle.loads(Path(answers_file).read_bytes())
+
+    async def unary(raw, context):
+        return answers[raw][0]
+
+    async def stream(raw, context):
+        for chunk in answers[raw]:
+            yield chunk
+
+    server = grpc.aio.server(options=[("grpc.max_send_message_length", 64 << 20)])
+    handlers = {"Score": grpc.unary_unary_rpc_method_handler(unary),
+                "ScoreStream": grpc.unary_stream_rpc_method_handler(stream)}
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("proctor.v1.TeacherScoring", handlers)])
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    print(f"bare gRPC on 127.0.0.1:{port}", flush=True)
+    await server.wait_for_termination()
+
+
+def _measure(pid: int, target: str, messages: list[bytes], requests: int, hidden: bool) -> tuple[float, float, float, int]:
+    """(CPU s of `pid`, of its workers, wall s, bytes answered) of `requests` calls to `target`."""
+    meter = CpuMeter(pid)
+    meter.start()
+    started = time.perf_counter()
+    received = asyncio.run(flood(target, messages, requests, 16 if hidden else 64, hidden=hidden))
+    wall = time.perf_counter() - started
+    front, workers = meter.stop()
+    return front, workers, wall, received
+
+
+def capacity_run(model: Path, replicas: int, seqs: list[list[int]], requests: int, *, hidden: bool = False,
+                 bare: bool = False):
+    """(front CPU s, workers' CPU s, wall s, bytes answered) of `requests` calls to a fresh front.
+    With `bare`, a pair: that, and the same of a bare gRPC server replaying the front's answers,
+    measured alternately with the front (twice each, the run of lower CPU kept)."""
+    import pickle
+    import subprocess
+
+    messages = _requests(seqs, hidden)
     command = [sys.executable, __file__, "--serve-front", str(replicas), "--model", str(model)]
     server = SubprocessServer([], command=command, startup_timeout=300)
-    try:
-        asyncio.run(flood(server.grpc_target, seqs, 16 * len(seqs), 16, hidden=hidden))  # every answer remembered
-        meter = CpuMeter(server.proc.pid)
-        meter.start()
-        started = time.perf_counter()
-        received = asyncio.run(flood(server.grpc_target, seqs, requests, 64 if not hidden else 16, hidden=hidden))
-        wall = time.perf_counter() - started
-        front, workers = meter.stop()
+    answers: dict[bytes, list[bytes]] = {}
+    replayer = None
+    try:  # the warm-up remembers every answer (and keeps them for the replayer)
+        asyncio.run(flood(server.grpc_target, messages, 16 * len(seqs), 16, hidden=hidden, keep=answers))
+        runs = [_measure(server.proc.pid, server.grpc_target, messages, requests, hidden)]
+        if not bare:
+            return runs[0]
+        with tempfile.NamedTemporaryFile(suffix=".pickle", delete=False) as file:
+            file.write(pickle.dumps(answers))
+        replayer = subprocess.Popen([sys.executable, __file__, "--serve-bare", file.name], stdout=subprocess.PIPE,
+                                    text=True)
+        target = replayer.stdout.readline().split(" on ")[-1].strip()
+        os.unlink(file.name)
+        asyncio.run(flood(target, messages, 4 * len(seqs), 16, hidden=hidden))
+        floors = [_measure(replayer.pid, target, messages, requests, hidden)]
+        runs.append(_measure(server.proc.pid, server.grpc_target, messages, requests, hidden))
+        floors.append(_measure(replayer.pid, target, messages, requests, hidden))
     finally:
         server.stop()
-    return front, workers, wall, received
+        if replayer is not None:
+            replayer.kill()
+    return min(runs), min(floors)
 
 
 def report_capacity(args, model: Path, wide: Path) -> None:
@@ -213,16 +272,25 @@ def report_capacity(args, model: Path, wide: Path) -> None:
           f"{args.length}-token sequences over gRPC, {args.capacity_requests} requests, 64 in flight")
     print(f"{'replicas':>8} {'front µs/token':>15} {'worker µs/token':>16} {'tokens/s':>10} "
           f"{'front-bound tokens/s per core':>30}")
+    tokens = args.capacity_requests * rows
     for replicas in map(int, args.capacity_replicas.split(",")):
-        front, workers, wall, _ = capacity_run(model, replicas, seqs, args.capacity_requests)
-        tokens = args.capacity_requests * rows
+        floor = None
+        if replicas == 1:  # beside a bare gRPC server replaying the same answers
+            (front, workers, wall, _), floor = capacity_run(model, 1, seqs, args.capacity_requests, bare=True)
+        else:
+            front, workers, wall, _ = capacity_run(model, replicas, seqs, args.capacity_requests)
         print(f"{replicas:>8} {front / tokens * 1e6:>15.2f} {workers / tokens * 1e6:>16.2f} {tokens / wall:>10.0f} "
               f"{tokens / max(front, 1e-9):>30.0f}", flush=True)
+        if floor is not None:
+            print(f"{'':>8} a bare grpc.aio server replaying these answers: {floor[0] / tokens * 1e6:.2f} µs/token; "
+                  f"the front costs {front / floor[0]:.2f}x gRPC's own floor", flush=True)
     requests = max(16, args.capacity_requests // 4)
-    front, _, wall, received = capacity_run(wide, 1, seqs, requests, hidden=True)
+    (front, _, wall, received), floor = capacity_run(wide, 1, seqs, requests, hidden=True, bare=True)
     print(f"hidden states through the front (ScoreStream, a {WIDE_HIDDEN}-wide float32 teacher: "
-          f"{WIDE_HIDDEN * 4} bytes a row, {requests} requests): {received / max(front, 1e-9) / 1e9:.2f} GB per front CPU-second, "
-          f"{received / wall / 1e9:.2f} GB/s wall", flush=True)
+          f"{WIDE_HIDDEN * 4} bytes a row, {requests} requests): {received / max(front, 1e-9) / 1e9:.2f} GB per front "
+          f"CPU-second, {received / wall / 1e9:.2f} GB/s wall; a bare grpc.aio server replaying the same chunks: "
+          f"{received / max(floor[0], 1e-9) / 1e9:.2f} GB per CPU-second (the front reaches "
+          f"{floor[0] / front:.2f} of gRPC's own rate)", flush=True)
 
 
 WIDE_HIDDEN = 2048
@@ -242,10 +310,14 @@ def main() -> None:
     parser.add_argument("--capacity-requests", type=int, default=1024)
     parser.add_argument("--quick", action="store_true", help="16 x 128 tokens, a smaller capacity run")
     parser.add_argument("--serve-front", type=int, help=argparse.SUPPRESS)  # the capacity run's front process
+    parser.add_argument("--serve-bare", help=argparse.SUPPRESS)  # the bare gRPC server replaying answers
     parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_front:
         asyncio.run(serve_front(args.serve_front, args.model))
+        return
+    if args.serve_bare:
+        asyncio.run(serve_bare(args.serve_bare))
         return
     if args.quick:
         args.seqs, args.length, args.rounds, args.capacity_requests = 16, 128, 1, 128

@@ -91,7 +91,10 @@ class EngineActor:
             for name in VISIBLE_DEVICES_ENV.values():
                 if os.environ.get(name) == "":
                     os.environ.pop(name)
+        from proctor.server.malloc_tuning import keep_large_buffers
+
         self.spec = spec
+        keep_large_buffers()  # the actor is a replica worker: results' buffers reused, not re-faulted
         prepare_worker(spec)
         self.engine = create_engine(spec)
 

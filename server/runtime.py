@@ -135,6 +135,9 @@ class ProctorServer:
 
     async def serve_forever(self) -> int:
         """Run until SIGTERM/SIGINT; then drain. Returns the process exit code."""
+        from proctor.server.malloc_tuning import keep_large_buffers
+
+        keep_large_buffers()  # this process serves: its answers' buffers are reused, not re-faulted
         loop = asyncio.get_running_loop()
         stop_requested = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -126,7 +126,10 @@ async def _main(fd: int, arena_fd: int | None) -> None:
 
 
 def main() -> None:
+    from proctor.server.malloc_tuning import keep_large_buffers
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    keep_large_buffers()  # results' buffers reused, not re-faulted (`malloc_tuning`)
     asyncio.run(_main(int(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else None))
 
 
