@@ -108,7 +108,9 @@ def run_workload(name: str, requests: int, length: int, hidden: int, layers: int
     server = SubprocessServer(["--model", str(model), "--max-model-len", str(length + 8), "--no-verbose"])
     try:
         # A and B alternate, best of two each: on a shared machine the load drifts between runs.
+        direct_cpu = time.process_time()
         direct = asyncio.run(in_process(model, seqs, args.topk, args.concurrency))
+        direct_cpu = time.process_time() - direct_cpu  # includes loading the engine (a few ms)
         (front_cpu, worker_cpu), client_cpu = _cpu_seconds(server.proc.pid), time.process_time()
         batched = asyncio.run(through_grpc(server.grpc_target, seqs, args.topk, args.concurrency))
         front_after, worker_after = _cpu_seconds(server.proc.pid)
@@ -130,6 +132,9 @@ def run_workload(name: str, requests: int, length: int, hidden: int, layers: int
     print(f"   CPU seconds during B: server front {front_cpu:.2f}, its replica worker {worker_cpu:.2f}, "
           f"benchmark client {client_cpu:.2f} "
           f"(the client shares the machine's {os.cpu_count()} cores with the server)")
+    busy = front_cpu + worker_cpu + client_cpu
+    print(f"   A used {direct_cpu:.2f} CPU-s; B's {busy:.2f} CPU-s on {os.cpu_count()} cores cannot take under "
+          f"{busy / os.cpu_count():.3f} s, so on this machine B / A is at most {direct / (busy / os.cpu_count()):.2f}")
     print(f"B / C throughput (batched vs serial; goal >= 3):      {serial / batched:.2f}")
 
 
