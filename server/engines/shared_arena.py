@@ -34,12 +34,12 @@ _ALIGN = 64
 
 
 def create_arena(size: int = ARENA_BYTES) -> int | None:
-    """A new memfd of `size` bytes (inheritable: passed to the worker), or None where the system
-    has no memfd (the socket path then carries everything)."""
+    """A new memfd of `size` bytes, or None where the system has no memfd (the socket path then
+    carries everything). Close-on-exec: only the worker it is passed to (`pass_fds`) inherits it."""
     if not hasattr(os, "memfd_create"):
         return None
     try:
-        fd = os.memfd_create("proctor-arena", 0)
+        fd = os.memfd_create("proctor-arena")
         os.ftruncate(fd, size)
     except OSError:
         return None
