@@ -224,6 +224,4 @@ class Channel:
         return await self.protocol.messages.get()
 
     def close(self) -> None:
-        if self.protocol.arena is not None:
-            self.protocol.arena.closed = True
         self.transport.close()

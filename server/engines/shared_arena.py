@@ -93,7 +93,8 @@ class ArenaWriter:
 
 class ArenaReader:
     """The front's side: views of placed blocks; when a view's last user drops it, the block is
-    reported free to the worker (batched: one message per event-loop turn)."""
+    reported free to the worker (batched: one message per event-loop turn; `report` drops it
+    once the worker's channel is closed)."""
 
     def __init__(self, fd: int, report: Callable[[list[int]], None]) -> None:
         self._map = mmap.mmap(fd, os.fstat(fd).st_size)
@@ -102,7 +103,6 @@ class ArenaReader:
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
         self._pending: list[int] = []
-        self.closed = False
         self.blocks_read = 0  # blocks handed out as views
         self.blocks_held = 0  # of which still in use here (not yet reported free)
 
@@ -118,12 +118,12 @@ class ArenaReader:
 
     def _released(self, offset: int) -> None:
         """May run on any thread (an answer can be encoded off the loop)."""
-        if self.closed or self._loop.is_closed():
+        if self._loop.is_closed():  # the worker (and its arena) went with it
             return
         if threading.get_ident() == self._loop_thread:  # the usual case, and no wake-up to pay
             self._queue(offset)
             return
-        with contextlib.suppress(RuntimeError):  # a closed loop: the worker is gone with it
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
             self._loop.call_soon_threadsafe(self._queue, offset)
 
     def _queue(self, offset: int) -> None:
@@ -134,5 +134,5 @@ class ArenaReader:
 
     def _flush(self) -> None:
         offsets, self._pending = self._pending, []
-        if offsets and not self.closed:
+        if offsets:
             self._report(offsets)
