@@ -231,9 +231,9 @@ def _measure(pid: int, target: str, messages: list[bytes], requests: int, hidden
 
 def capacity_run(model: Path, replicas: int, seqs: list[list[int]], requests: int, *, hidden: bool = False,
                  bare: bool = False):
-    """(front CPU s, workers' CPU s, wall s, bytes answered) of `requests` calls to a fresh front.
-    With `bare`, a pair: that, and the same of a bare gRPC server replaying the front's answers,
-    measured alternately with the front (twice each, the run of lower CPU kept)."""
+    """(front CPU s, workers' CPU s, wall s, bytes answered) of `requests` calls to a fresh front,
+    and with `bare` the same of a bare gRPC server replaying the front's answers, measured
+    alternately with the front (twice each, the run of lower CPU kept); else None."""
     import pickle
     import subprocess
 
@@ -246,7 +246,7 @@ def capacity_run(model: Path, replicas: int, seqs: list[list[int]], requests: in
         asyncio.run(flood(server.grpc_target, messages, 16 * len(seqs), 16, hidden=hidden, keep=answers))
         runs = [_measure(server.proc.pid, server.grpc_target, messages, requests, hidden)]
         if not bare:
-            return runs[0]
+            return runs[0], None
         with tempfile.NamedTemporaryFile(suffix=".pickle", delete=False) as file:
             file.write(pickle.dumps(answers))
         replayer = subprocess.Popen([sys.executable, __file__, "--serve-bare", file.name], stdout=subprocess.PIPE,
@@ -274,11 +274,9 @@ def report_capacity(args, model: Path, wide: Path) -> None:
           f"{'front-bound tokens/s per core':>30}")
     tokens = args.capacity_requests * rows
     for replicas in map(int, args.capacity_replicas.split(",")):
-        floor = None
-        if replicas == 1:  # beside a bare gRPC server replaying the same answers
-            (front, workers, wall, _), floor = capacity_run(model, 1, seqs, args.capacity_requests, bare=True)
-        else:
-            front, workers, wall, _ = capacity_run(model, replicas, seqs, args.capacity_requests)
+        # One replica runs beside a bare gRPC server replaying the same answers.
+        (front, workers, wall, _), floor = capacity_run(model, replicas, seqs, args.capacity_requests,
+                                                        bare=replicas == 1)
         print(f"{replicas:>8} {front / tokens * 1e6:>15.2f} {workers / tokens * 1e6:>16.2f} {tokens / wall:>10.0f} "
               f"{tokens / max(front, 1e-9):>30.0f}", flush=True)
         if floor is not None:
