@@ -83,7 +83,6 @@ class EngineActor:
         import os
 
         from proctor.server.engines import create_engine
-        from proctor.server.engines.engine_host import prepare_worker
 
         if spec.placement_group is not None:
             # The actor of a spanning replica holds no device, and Ray hides every device from
@@ -95,7 +94,6 @@ class EngineActor:
 
         self.spec = spec
         keep_large_buffers()  # the actor is a replica worker: results' buffers reused, not re-faulted
-        prepare_worker(spec)
         self.engine = create_engine(spec)
 
     async def start(self) -> tuple[EngineInfo, int]:

@@ -194,22 +194,24 @@ async def test_requests_beyond_the_engine_are_that_requests_error_only(vllm_engi
     media = MultiModalInputs(images=(MediaItem(b"x", "image/png"),))
     with_media = EngineRequest(request_id="m", token_ids=ids, first_row=1, logprobs=True, topk=0,
                                hidden_states=False, media=media)
-    too_long = _request(2, torch.randint(3, 512, (2048,)))  # max_model_len tokens: no slot for the output
+    too_long = _request(2, torch.randint(3, 512, (2049,)))  # past max_model_len
+    longest = _request(4, torch.randint(3, 512, (2048,)), first_row=2040)  # a pooled prefill needs no output slot
     fine = _request(3, ids)
-    outcomes = await vllm_engine.score([_request(0, ids, topk=65), with_media, too_long, fine])
-    assert [type(o).__name__ for o in outcomes] == ["RequestRejected"] * 3 + ["EngineResult"]
+    outcomes = await vllm_engine.score([_request(0, ids, topk=65), with_media, too_long, fine, longest])
+    assert [type(o).__name__ for o in outcomes] == ["RequestRejected"] * 3 + ["EngineResult"] * 2
     assert [o.field for o in outcomes[:3]] == ["topk", "images", "token_ids"]
+    assert outcomes[4].logprobs.shape == (8,)
     assert await vllm_engine.check_health()
 
 
 @pytest.mark.vllm
 @session_loop
 async def test_vllms_own_validation_error_is_a_request_error(vllm_engine):
-    """Past proctor's own checks, vLLM's VLLMValidationError (a prompt of max_model_len tokens)
+    """Past proctor's own checks, vLLM's VLLMValidationError (a prompt past max_model_len)
     is still that request's INVALID_ARGUMENT, never a replica failure."""
     from proctor.server.engines.vllm_errors import classify_error
 
-    request = _request(0, torch.randint(3, 512, (2048,)))
+    request = _request(0, torch.randint(3, 512, (2049,)))
     with pytest.raises(Exception) as raised:
         await vllm_engine._score_one(request)
     outcome = classify_error(request, raised.value)
@@ -355,19 +357,18 @@ def test_settings_become_engine_args():
             "tensor_model_parallel_size": 2, "data_parallel_size": 1, "pipeline_model_parallel_size": 1,
             "gpu_memory_utilization": 0.7, "max_model_len": 4096, "max_num_batched_tokens": 1024,
             "enable_chunked_prefill": True, "load_format": "dummy", "temperature": 0.7,
-            "engine_kwargs": {"vllm": {"max_logprobs": 128, "swap_space": 0, "hidden_states_gpu_memory_utilization": 0.2}},
+            "engine_kwargs": {"vllm": {"max_logprobs": 128, "swap_space": 0, "score_ids_method": "auto"}},
         },
     )
-    assert resolve_max_logprobs(spec, "vllm") == 128
+    assert resolve_max_logprobs(spec, "vllm") == 128  # the top-k proctor's pooler serves
     args = engine_args_from_settings(spec, max_logprobs=128)
     assert args["tensor_parallel_size"] == 2 and args["pipeline_parallel_size"] == 1
-    assert args["max_logprobs"] == 128 and args["dtype"] == "bfloat16" and args["swap_space"] == 0
+    assert args["dtype"] == "bfloat16" and args["swap_space"] == 0
     assert args["enable_chunked_prefill"] is True and args["max_num_batched_tokens"] == 1024
     assert "load_format" not in args and "temperature" not in args  # verl rollout-only settings
-    assert "hidden_states_gpu_memory_utilization" not in args
-    pooled = engine_args_from_settings(spec, max_logprobs=128, hidden_states=True)
-    assert pooled["enable_chunked_prefill"] is False and pooled["max_num_batched_tokens"] == 4096
-    assert pooled["gpu_memory_utilization"] == 0.2 and "max_logprobs" not in pooled
+    assert "max_logprobs" not in args and "score_ids_method" not in args  # sampling limits and proctor's own
+    assert args["enable_prefix_caching"] is False  # nothing reads it without shared-prompt reuse
+    assert engine_args_from_settings(spec, max_logprobs=128, prefix_caching=True)["enable_prefix_caching"] is True
 
 
 def test_max_logprobs_is_seeded_from_the_topk():

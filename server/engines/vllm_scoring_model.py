@@ -119,10 +119,10 @@ class ScoringPooler(_Pooler):
             params = pooling_metadata.pooling_params[i]
             ask = ScoreAsk.from_kwargs(params.extra_kwargs) if params.extra_kwargs else _PROFILE_ASK
             state = pooling_metadata.pooling_states[i]
-            parts = getattr(state, "proctor_parts", None)
-            if parts is None:
-                parts = state.proctor_parts = []
             first_position = int(seq_lens[i]) - count  # positions first_position.. in this chunk
+            parts = getattr(state, "proctor_parts", None)
+            if not parts or parts[-1]["next_position"] != first_position:
+                parts = state.proctor_parts = []  # a first chunk, or a request resumed after preemption
             parts.append(self._score_chunk(ask, chunk, first_position, int(prompt_lens[i]), token_ids[i]))
             if finished[i]:
                 outputs.append(_packed(ask, parts, hidden_states.device))
@@ -139,7 +139,7 @@ class ScoringPooler(_Pooler):
         hi = min(total - 1, first_position + chunk.shape[0])  # last wanted row in the chunk
         rows = max(0, hi - lo + 1)
         states = chunk[lo - 1 - first_position : lo - 1 - first_position + rows]
-        part: dict[str, Any] = {"first_row": lo, "n": rows}
+        part: dict[str, Any] = {"first_row": lo, "n": rows, "next_position": first_position + chunk.shape[0]}
         if ask.scores and rows:
             targets = token_ids[lo:hi + 1].to(device=chunk.device, dtype=torch.long, non_blocking=True)
             temperatures = None if ask.temperature == 1.0 else torch.full(
@@ -151,9 +151,9 @@ class ScoringPooler(_Pooler):
                                         temperatures=temperatures, score_ids=wanted)
         if ask.hidden:
             part["hidden"] = states.clone()
-        last = first_position + chunk.shape[0] - 1
-        if ask.full_row and last == total - 1:  # the prompt's last position: row T
-            part["full_row"] = self._logits(chunk[-1:]).float().reshape(-1)
+        kept = ask.keep_row - 1 - first_position  # the kept row's position within the chunk
+        if ask.keep_row and 0 <= kept < chunk.shape[0]:
+            part["kept"] = (self._logits(chunk[kept : kept + 1]).float().reshape(-1), chunk[kept].float())
         return part
 
     def _logits(self, states: torch.Tensor) -> torch.Tensor:
@@ -174,7 +174,7 @@ def _packed(ask: ScoreAsk, parts: list[dict[str, Any]], device: torch.device) ->
         values = [getattr(s, name) for s in scores]
         return torch.cat(values) if values and values[0] is not None else None
 
-    full = [p["full_row"] for p in parts if "full_row" in p]
+    kept = [p["kept"] for p in parts if "kept" in p]
     hidden = [p["hidden"] for p in parts if "hidden" in p]
     if ask.scores and not scores:  # no wanted row at all (every one cached or none asked)
         empty = torch.empty(0, device=device)
@@ -187,4 +187,5 @@ def _packed(ask: ScoreAsk, parts: list[dict[str, Any]], device: torch.device) ->
         topk_ids, topk_lp, score = joined("topk_ids"), joined("topk_logprobs"), joined("score_logprobs")
     return pack(first_row, n, logprobs=logprobs, ranks=ranks, topk_ids=topk_ids, topk_logprobs=topk_lp,
                 score_logprobs=score, hidden=torch.cat(hidden) if hidden else None,
-                full_row=full[0] if full else None, device=device)
+                kept_logits=kept[0][0] if kept else None, kept_hidden=kept[0][1] if kept else None,
+                device=device)
