@@ -68,14 +68,22 @@ def make_tiny_model(
     max_position_embeddings: int = 4096,
     seed: int = 0,
     tie_word_embeddings: bool = False,
+    family: str = "qwen2",
 ) -> Path:
-    """Write a tiny Qwen2 causal LM (config, safetensors weights, tokenizer) to out_dir."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    """Write a tiny causal LM (config, safetensors weights, tokenizer) to out_dir: a Qwen2, or
+    with `family` one whose logits are not lm_head(h) alone (`FAMILIES`: Gemma-2's final soft-cap,
+    Granite's logit scaling), for checking that engines score with the model's own logits."""
+    from transformers import AutoModelForCausalLM
 
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {', '.join(FAMILIES)}, got {family!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(vocab_size)
-    config = Qwen2Config(
+    config_class, extra = _family_config(family)
+    tie_word_embeddings = tie_word_embeddings or family == "gemma2"
+    config = config_class(
+        **extra,
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -105,6 +113,23 @@ def make_tiny_model(
     tokenizer.save_pretrained(out)
     (out / "proctor_tiny.json").write_text(json.dumps({"seed": seed, "generator": "proctor.make_tiny_model"}))
     return out
+
+
+# Tiny model families: the default, and two whose final logits are transformed.
+FAMILIES = ("qwen2", "gemma2", "granite")
+
+
+def _family_config(family: str):
+    """(config class, its family-specific settings)."""
+    import transformers
+
+    if family == "gemma2":  # tanh(x / 5) * 5 on the final logits; no attention soft-cap (vLLM's CPU attention);
+        # its head is the embeddings, as in every Gemma-2 checkpoint (vLLM's Gemma2 has no lm_head of its own)
+        return transformers.Gemma2Config, {"final_logit_softcapping": 5.0, "attn_logit_softcapping": None,
+                                           "head_dim": 32, "query_pre_attn_scalar": 32, "sliding_window": 4096}
+    if family == "granite":  # the logits divided by 8, as Granite 3 checkpoints divide theirs (8 or 16)
+        return transformers.GraniteConfig, {"logits_scaling": 8.0}
+    return transformers.Qwen2Config, {}
 
 
 def ensure_default_model(path: str | Path = DEFAULT_MODEL_DIR) -> Path:

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from proctor.proto import torch_dtype
+from proctor.server.engines import EngineConfigError
 from proctor.server.engines.base import (
     DEFAULT_TOKEN_BUDGET,
     EngineError,
@@ -29,6 +30,8 @@ from proctor.server.engines.base import (
     TeacherEngine,
     serving_dtype,
 )
+from proctor.server.engines.logit_transforms import LogitTransforms, logit_transforms
+from proctor.server.engines.row_scores import score_rows
 from proctor.server.engines.torch_media import PreparedMedia, TorchMedia, is_multimodal, load_multimodal_model
 from proctor.server.engines.torch_prefix import TorchPrefix, batch_cache, supports_prompt_cache
 from proctor.server.fingerprint import model_fingerprint
@@ -39,8 +42,6 @@ log = logging.getLogger(__name__)
 # transformers resolves its lazy attributes on first touch, which is not thread-safe: two
 # replicas loading at once on worker threads can see ImportError for AutoConfig. One lock.
 _IMPORT_LOCK = threading.Lock()
-# Rows of logits materialised at once in the lm_head step (bounds memory for large vocabularies).
-_LOGIT_ROWS = 2048
 
 
 def resolve_device(device: str) -> torch.device:
@@ -77,6 +78,7 @@ class TorchEngine(TeacherEngine):
         self._budget = int(inference.get("max_num_batched_tokens") or DEFAULT_TOKEN_BUDGET)
         self._prefix: TorchPrefix | None = None  # shared prompts' KV caches (set at load)
         self._media: TorchMedia | None = None  # a multimodal teacher's processor (set at load)
+        self._transforms = LogitTransforms()  # the model's final-logit transforms (set at load)
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -98,6 +100,9 @@ class TorchEngine(TeacherEngine):
         else:
             model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
         model.to(device).eval()
+        self._transforms = logit_transforms(config)
+        if self._media is None:
+            check_own_logits(model, self._transforms)
         self._model = model
         reuse = ReuseSettings.from_inference(self.spec.inference)
         self._prefix = TorchPrefix(reuse) if reuse.enabled and supports_prompt_cache(model) else None
@@ -228,56 +233,59 @@ class TorchEngine(TeacherEngine):
         states = [hidden[i, r.first_row - 1 : r.num_tokens - 1] for i, r in enumerate(batch)]
         return states, (out.past_key_values if keep_cache else None)
 
-    @staticmethod
-    def _head_outputs(model, batch: list[EngineRequest], states: list[torch.Tensor], results: list[EngineResult]) -> None:
-        """Log-probs, top-k and score_ids for every request of the batch from one lm_head pass
-        over all their rows (in row chunks): a few large kernels instead of a few small ones per
-        request. score_ids are read from the same full log-softmax, so they are exact."""
+    def _head_outputs(self, model, batch: list[EngineRequest], states: list[torch.Tensor],
+                      results: list[EngineResult]) -> None:
+        """Log-probs, ranks, top-k and score_ids for every request of the batch from one lm_head
+        pass over all their rows (in row chunks, `row_scores`): a few large kernels instead of a few
+        small ones per request. The logits are the model's own: its head (and bias) and its final
+        transforms (`logit_transforms`); score_ids are read from the same full log-softmax."""
         wanted = [i for i, r in enumerate(batch) if r.logprobs or r.topk or r.score_ids is not None]
         if not wanted:
             return
         rows = torch.cat([states[i] for i in wanted])
         targets = torch.cat([batch[i].token_ids[batch[i].first_row :] for i in wanted]).to(rows.device)
-        kmax = max(batch[i].topk for i in wanted)
         score_ids = _padded_score_ids([batch[i] for i in wanted])
-        if score_ids is not None:
-            score_ids = score_ids.to(rows.device)
-        head = model.get_output_embeddings()
-        rank_parts: list[torch.Tensor] = []
-        logprob_parts, value_parts, id_parts, score_parts = [], [], [], []
-        temperatures = _row_temperatures([batch[i] for i in wanted], rows.device)
-        for lo in range(0, rows.shape[0], _LOGIT_ROWS):
-            logits = head(rows[lo : lo + _LOGIT_ROWS]).float()
-            if temperatures is not None:  # T scales the logits before the log-softmax
-                logits = logits / temperatures[lo : lo + _LOGIT_ROWS, None]
-            logp = torch.log_softmax(logits, dim=-1)
-            actual = logp.gather(1, targets[lo : lo + _LOGIT_ROWS, None])
-            logprob_parts.append(actual.squeeze(1))
-            rank_parts.append((logp > actual).sum(dim=1) + 1)  # 1 + the tokens strictly more likely
-            if kmax:
-                values, indices = torch.topk(logp, kmax, dim=-1)  # sorted: a request's top-k is a prefix
-                value_parts.append(values)
-                id_parts.append(indices.to(torch.int32))
-            if score_ids is not None:
-                chunk = score_ids[lo : lo + _LOGIT_ROWS]
-                picked = logp.gather(1, chunk.clamp_min(0))
-                score_parts.append(picked.masked_fill_(chunk < 0, float("-inf")))
+        head, transforms = model.get_output_embeddings(), self._transforms
+        scores = score_rows(lambda h: transforms.apply(head(h)), rows, targets,
+                            topk=max(batch[i].topk for i in wanted),
+                            temperatures=_row_temperatures([batch[i] for i in wanted], rows.device),
+                            score_ids=None if score_ids is None else score_ids.to(rows.device))
         sizes = [states[i].shape[0] for i in wanted]
-        logprobs = torch.cat(logprob_parts).cpu().split(sizes)
-        ranks_by_request = dict(zip(wanted, torch.cat(rank_parts).cpu().split(sizes), strict=True))
-        values = torch.cat(value_parts).cpu().split(sizes) if kmax else [None] * len(wanted)
-        ids = torch.cat(id_parts).cpu().split(sizes) if kmax else [None] * len(wanted)
-        scored = torch.cat(score_parts).cpu().split(sizes) if score_parts else [None] * len(wanted)
-        for index, lp, top_values, top_ids, at_ids in zip(wanted, logprobs, values, ids, scored, strict=True):
+
+        def split(tensor: torch.Tensor | None) -> list:
+            return list(tensor.cpu().split(sizes)) if tensor is not None else [None] * len(wanted)
+
+        parts = zip(wanted, split(scores.logprobs), split(scores.ranks), split(scores.topk_logprobs),
+                    split(scores.topk_ids), split(scores.score_logprobs), strict=True)
+        for index, lp, ranks, top_values, top_ids, at_ids in parts:
             request, result = batch[index], results[index]
             if request.logprobs:
                 result.logprobs = lp.clone()
-                result.ranks = ranks_by_request[index].clone()
+                result.ranks = ranks.to(torch.int64)
             if request.topk:
                 result.topk_logprobs = top_values[:, : request.topk].contiguous()
                 result.topk_ids = top_ids[:, : request.topk].contiguous()
             if request.score_ids is not None:
                 result.score_logprobs = at_ids[:, : request.score_ids.shape[1]].contiguous()
+
+
+def check_own_logits(model, transforms: LogitTransforms) -> None:
+    """Refuse a text model whose own forward's logits this engine's head path does not reproduce
+    (a final transform it does not know): one short forward at start, both ways."""
+    device = next(model.parameters()).device
+    ids = torch.arange(1, 9, device=device).remainder(model.get_output_embeddings().weight.shape[0])[None]
+    with torch.inference_mode():
+        hidden = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
+        ours = transforms.apply(model.get_output_embeddings()(hidden)).float()
+        theirs = model(input_ids=ids, use_cache=False).logits.float()
+    tolerance = 1e-3 * max(1.0, float(theirs.abs().max()))
+    if ours.shape != theirs.shape or not torch.allclose(ours, theirs, rtol=0, atol=tolerance):
+        gap = float((ours - theirs).abs().max()) if ours.shape == theirs.shape else float("inf")
+        raise EngineConfigError(
+            f"the teacher's logits are not its lm_head's output with {transforms.describe()} (the known final "
+            f"transforms; max difference {gap:.3g}): {type(model).__name__} transforms its logits in a way the "
+            "torch engine cannot reproduce; serve it with inference.name=vllm"
+        )
 
 
 def _padded_score_ids(batch: list[EngineRequest]) -> torch.Tensor | None:

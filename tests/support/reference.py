@@ -1,9 +1,11 @@
 """The reference teacher: a plain transformers forward pass, read in proctor's row convention.
 
 Row i is about token i given tokens 0..i-1, so it comes from the logits and the post-norm last
-hidden state at position i-1. The model runs in float32, as the engines under test serve the
-tiny teachers, and the log-softmax in float64, so the reference adds no rounding of its own to
-what the engines are compared against. Nothing here touches proctor's engines; every suite and
+hidden state at position i-1. The logits are the model's own forward's (`model(ids).logits`:
+its head and bias and any final soft-cap or scale), never re-derived from the head. The model
+runs in float32, as the engines under test serve the tiny teachers (or float64, `dtype`), and
+the log-softmax in float64, so the reference adds no rounding of its own to what the engines
+are compared against. Nothing here touches proctor's engines; every suite and
 benchmark that checks a score checks it against this one forward.
 """
 
@@ -17,16 +19,16 @@ from pathlib import Path
 import torch
 
 
-def reference_model(model_dir: Path | str):
-    """The teacher at `model_dir` in float32, loaded once per directory (suites score many sequences)."""
-    return _load(str(Path(model_dir)))
+def reference_model(model_dir: Path | str, dtype: torch.dtype = torch.float32):
+    """The teacher at `model_dir`, loaded once per directory and dtype (suites score many sequences)."""
+    return _load(str(Path(model_dir)), dtype)
 
 
 @functools.cache
-def _load(model_dir: str):
+def _load(model_dir: str, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=dtype).eval()
 
 
 @dataclass(frozen=True)
@@ -45,15 +47,16 @@ class ReferenceRows:
 
 
 def reference_rows(
-    model_dir: Path | str, token_ids: Sequence[int], first_row: int = 1, *, temperature: float = 1.0
+    model_dir: Path | str, token_ids: Sequence[int], first_row: int = 1, *, temperature: float = 1.0,
+    dtype: torch.dtype = torch.float32,
 ) -> ReferenceRows:
     """The reference teacher's rows first_row..T-1 for `token_ids` (the logits divided by
     `temperature` before the log-softmax, as a scoring request's temperature asks)."""
-    model = reference_model(model_dir)
+    model = reference_model(model_dir, dtype)
     ids = torch.tensor([list(token_ids)])
     with torch.inference_mode():
-        hidden = model.get_decoder()(input_ids=ids).last_hidden_state[0]
-        logits = model.get_output_embeddings()(hidden)
+        out = model(input_ids=ids, output_hidden_states=True, use_cache=False)
+        hidden, logits = out.hidden_states[-1][0], out.logits[0]
     positions = slice(first_row - 1, -1)  # position i-1 predicts token i
     distributions = torch.log_softmax(logits[positions].double() / temperature, dim=-1)
     targets = ids[0, first_row:]
