@@ -84,7 +84,7 @@ async def _check_engine(spec: EngineSpec, model_dir) -> None:
 
 @session_loop
 async def test_torch_engine_scores_equal_a_float64_forward(family):
-    name, model_dir = family
+    _, model_dir = family
     await _check_engine(EngineSpec(name="torch", model_path=str(model_dir), dtype="float32", max_topk=64), model_dir)
 
 

@@ -1,69 +1,79 @@
-"""The vLLM engines' score_ids parts without a vLLM engine: the method choice, vLLM's fixed-token
-arguments and answer, the hidden-state method against a float64 log-softmax, and vLLM-Omni's
-wiring through a recorded AR-stage output."""
+"""The scoring parts without a vLLM engine: the pooler's answer format, the one row-scoring rule
+against a float64 log-softmax, vLLM-Omni's hidden-state score_ids (and its refusal where logits are
+not h·Wᵀ), and vLLM-Omni's wiring through a recorded AR-stage output."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
-import numpy as np
 import pytest
 import torch
 from test_vllm_omni_engine import _fake_omni_output, _omni_spec, _request
 
 from proctor.server.engines.base import EngineError, EngineRequest
-from proctor.server.engines.score_ids import (
-    FIXED_TOKENS,
-    FROM_HIDDEN,
-    choose_method,
-    fixed_token_kwargs,
-    fixed_token_rows,
-    scores_from_hidden,
-)
+from proctor.server.engines.pooled_scores import ScoreAsk, pack, unpack
+from proctor.server.engines.row_scores import score_rows
+from proctor.server.engines.score_ids import FROM_HIDDEN, scores_from_hidden
 from proctor.server.engines.vllm_omni_engine import VllmOmniEngine
 
 
-def _config(v2: bool, device: str = "cuda", fast_prefill: bool = False) -> SimpleNamespace:
-    return SimpleNamespace(use_v2_model_runner=v2, device_config=SimpleNamespace(device_type=device),
-                           cache_config=SimpleNamespace(kv_sharing_fast_prefill=fast_prefill))
+def test_the_pooler_answer_round_trips_every_section():
+    """What the scoring pooler packs in vLLM's worker is what the replica worker reads, bit for bit."""
+    generator = torch.Generator().manual_seed(0)
+    n, k, ks, h, v = 5, 3, 2, 4, 11
+    parts = dict(logprobs=torch.randn(n, generator=generator), ranks=torch.randint(1, 9, (n,), dtype=torch.int32),
+                 topk_ids=torch.randint(0, v, (n, k), dtype=torch.int32), topk_logprobs=torch.randn(n, k),
+                 score_logprobs=torch.randn(n, ks), hidden=torch.randn(n, h).to(torch.bfloat16),
+                 kept_logits=torch.randn(v), kept_hidden=torch.randn(h))
+    answer = unpack(pack(7, n, **parts, device=torch.device("cpu")))
+    assert (answer.first_row, answer.n) == (7, n)
+    for name, value in parts.items():
+        assert torch.equal(getattr(answer, name), value.to(getattr(answer, name).dtype)), name
+    assert answer.hidden.dtype == torch.bfloat16
+    bare = unpack(pack(3, 0, logprobs=None, ranks=None, topk_ids=None, topk_logprobs=None, score_logprobs=None,
+                       hidden=None, kept_logits=None, kept_hidden=None, device=torch.device("cpu")))
+    assert bare.logprobs is None and bare.hidden is None and bare.first_row == 3
+    with pytest.raises(ValueError, match="header"):
+        unpack(torch.zeros(8, dtype=torch.uint8))
+    ask = ScoreAsk(first_row=4, topk=2, temperature=0.7, hidden=True, score_ids=b"\x01\x00\x00\x00" * 4,
+                   score_k=2, keep_row=4)
+    assert ScoreAsk.from_kwargs(ask.to_kwargs()) == ask
+    assert ask.score_ids_tensor(2).tolist() == [[1, 1], [1, 1]]
+    with pytest.raises(ValueError, match="extra_kwargs"):
+        ScoreAsk.from_kwargs({})
 
 
-def test_the_method_is_vllms_fixed_token_scoring_only_where_its_runner_has_it():
-    assert choose_method(_config(True), serves_hidden_states=True) == FIXED_TOKENS
-    assert choose_method(_config(True), serves_hidden_states=False) == FIXED_TOKENS
-    for config in (_config(False), _config(True, "cpu"), _config(True, fast_prefill=True), SimpleNamespace()):
-        assert choose_method(config, serves_hidden_states=True) == FROM_HIDDEN
-        assert choose_method(config, serves_hidden_states=False) == ""
-    assert choose_method(_config(True), serves_hidden_states=True, setting=FROM_HIDDEN) == FROM_HIDDEN
-    with pytest.raises(EngineError, match="runner v2"):
-        choose_method(_config(False), serves_hidden_states=True, setting=FIXED_TOKENS)
-    with pytest.raises(EngineError, match="without hidden states"):
-        choose_method(_config(True), serves_hidden_states=False, setting=FROM_HIDDEN)
-    with pytest.raises(EngineError, match="score_ids_method"):
-        choose_method(_config(True), serves_hidden_states=True, setting="guess")
+def test_row_scores_equal_a_float64_log_softmax_at_any_temperature():
+    generator = torch.Generator().manual_seed(1)
+    hidden, weight = torch.randn(9, 6, generator=generator), torch.randn(40, 6, generator=generator)
+    targets = torch.randint(0, 40, (9,), generator=generator)
+    temperatures = torch.tensor([1.0, 0.7, 2.0] * 3)
+    score_ids = torch.randint(0, 40, (9, 3), generator=generator)
+    score_ids[0, 2] = -1
+    scores = score_rows(lambda h: h @ weight.T, hidden, targets, topk=4, temperatures=temperatures,
+                        score_ids=score_ids, chunk_rows=4)
+    logp = torch.log_softmax((hidden.double() @ weight.double().T) / temperatures.double()[:, None], dim=-1)
+    actual = logp.gather(1, targets[:, None]).squeeze(1)
+    torch.testing.assert_close(scores.logprobs.double(), actual, rtol=0, atol=1e-5)
+    assert torch.equal(scores.ranks.long(), (logp > actual[:, None]).sum(1) + 1)
+    values, ids = torch.topk(logp, 4)
+    assert torch.equal(scores.topk_ids.long(), ids)
+    torch.testing.assert_close(scores.topk_logprobs.double(), values, rtol=0, atol=1e-5)
+    expected = logp.gather(1, score_ids.clamp_min(0)).masked_fill(score_ids < 0, float("-inf"))
+    torch.testing.assert_close(scores.score_logprobs.double(), expected, rtol=0, atol=1e-5)
 
 
-def _with_ids(ids: list[int], first_row: int, score_ids: list[list[int]]) -> EngineRequest:
-    return EngineRequest(request_id="r", token_ids=torch.tensor(ids), first_row=first_row, logprobs=False, topk=0,
-                         hidden_states=False, score_ids=torch.tensor(score_ids))
+def test_omni_serves_no_score_ids_for_logits_it_cannot_rebuild(tmp_path):
+    """The hidden-state method assumes logits = h·Wᵀ: a soft-capped teacher gets none, not wrong ones."""
+    from proctor.server.tiny_model import make_tiny_model
 
-
-def test_fixed_token_arguments_and_answer_follow_vllms_row_convention():
-    request = _with_ids([5, 6, 7, 8, 9], 3, [[1, 2, -1], [4, -1, -1]])
-    kwargs = fixed_token_kwargs(request)
-    # vLLM: row i scores prompt token prompt_logprob_start + i + 1, so start = first_row - 1.
-    assert kwargs["prompt_logprob_start"] == 2
-    assert kwargs["prompt_logprob_token_ids"].dtype == np.int32
-    assert kwargs["prompt_logprob_token_ids"].tolist() == [[1, 2, -1], [4, -1, -1]]
-    answer = SimpleNamespace(prompt_token_id_logprobs=np.array([[-1.0, -2.0, -np.inf], [-3.0, -np.inf, -np.inf]]))
-    rows = fixed_token_rows(answer, request)
-    assert rows.dtype == torch.float32 and rows.tolist() == [[-1.0, -2.0, float("-inf")], [-3.0] + [float("-inf")] * 2]
-    with pytest.raises(EngineError, match="shape"):
-        fixed_token_rows(SimpleNamespace(prompt_token_id_logprobs=np.zeros((3, 3))), request)
-    with pytest.raises(EngineError, match="prompt_token_id_logprobs"):
-        fixed_token_rows(SimpleNamespace(), request)
-    assert fixed_token_kwargs(_with_ids([1, 2], 1, [[0]]).__class__(
-        request_id="r", token_ids=torch.tensor([1, 2]), first_row=1, logprobs=True, topk=0, hidden_states=False)) == {}
+    plain = VllmOmniEngine(_omni_spec())
+    plain.spec = plain.spec.__class__(**{**plain.spec.__dict__, "model_path": str(make_tiny_model(tmp_path / "q"))})
+    plain.sub_config = ()
+    assert plain._choose_score_ids_method() == FROM_HIDDEN
+    capped = VllmOmniEngine(_omni_spec())
+    capped.spec = plain.spec.__class__(**{**plain.spec.__dict__,
+                                          "model_path": str(make_tiny_model(tmp_path / "g", family="gemma2"))})
+    capped.sub_config = ()
+    assert capped._choose_score_ids_method() == ""
 
 
 def test_scores_from_hidden_equal_the_full_log_softmax():

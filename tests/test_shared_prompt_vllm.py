@@ -4,22 +4,23 @@ of the same engine (float32, 1e-5, top-k ids equal) and the transformers referen
 
 The groups cover the three cases of `vllm_prefix.decide`: a prompt of 200 tokens (the cache hit,
 128, ends inside the prompt), one of 256 (the hit is the whole prompt: row P comes from the
-group's full log-softmax row), and one of 140 whose second member's response starts with the
-first's 120 tokens (the hit reaches 256, into the response: scored again uncached). Members are
+group's record, the raw logits and hidden state the leader's answer kept), and one of 140 whose
+second member's response starts with the first's 120 tokens (the hit reaches 256, into the
+response: scored again uncached). Members ask for top-k, hidden states, score_ids and
+temperatures other than 1 (all computed by the one engine's pooler). Members are
 sent concurrently in shuffled order, then a second wave later, as rollouts finish.
 """
 
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from proctor.server.engines import EngineSpec, create_engine
 from proctor.server.engines.base import EngineRequest, RequestAborted
-from proctor.server.engines.vllm_prefix import Decision, decide, was_preempted
+from proctor.server.engines.vllm_prefix import Decision, decide
 
 from support.groups import assert_exact, interleaved, make_groups, request_of
 from support.reference import reference_rows
@@ -52,8 +53,13 @@ async def engine(model_dir):
 def _uncached(request: EngineRequest) -> EngineRequest:
     """The same sequence with every row asked for: first_row 1 is below the reuse threshold, so it
     is an independent, uncached forward of the same engine."""
+    score_ids = None
+    if request.score_ids is not None:  # the same ids at rows first_row.., -1 at the rows before
+        score_ids = torch.full((request.num_tokens - 1, request.score_ids.shape[1]), -1, dtype=torch.long)
+        score_ids[request.first_row - 1 :] = request.score_ids
     return EngineRequest(request_id=request.request_id + "-u", token_ids=request.token_ids, first_row=1,
-                         logprobs=True, topk=request.topk, hidden_states=request.hidden_states)
+                         logprobs=True, topk=request.topk, hidden_states=request.hidden_states,
+                         score_ids=score_ids, temperature=request.temperature)
 
 
 def _assert_same(result, reference, request: EngineRequest) -> None:
@@ -63,6 +69,8 @@ def _assert_same(result, reference, request: EngineRequest) -> None:
     if request.topk:
         assert torch.equal(result.topk_ids, reference.topk_ids[rows]), request.request_id
         torch.testing.assert_close(result.topk_logprobs, reference.topk_logprobs[rows], rtol=0, atol=1e-5)
+    if request.score_ids is not None:
+        torch.testing.assert_close(result.score_logprobs, reference.score_logprobs[rows], rtol=0, atol=1e-5)
     if request.hidden_states:
         torch.testing.assert_close(result.hidden_states, reference.hidden_states[rows], rtol=0, atol=1e-5)
 
@@ -71,9 +79,10 @@ def _assert_same(result, reference, request: EngineRequest) -> None:
 async def test_interleaved_groups_equal_uncached_forwards(engine, model_dir):
     groups = make_groups([200, 256], 4, response=(1, 40), seed=11)
     arrivals = interleaved(groups, seed=3)
-    kinds = [dict(topk=5), dict(topk=3, hidden=True), {}, dict(topk=8)]
+    kinds = [dict(topk=5), dict(topk=3, hidden=True, temperature=0.7), dict(score_ids=True),
+             dict(topk=8, score_ids=True, temperature=2.0)]
     requests = [request_of(m, **kinds[i % len(kinds)]) for i, m in enumerate(arrivals)]
-    lane = engine._logprob_lane
+    lane = engine._lane
     rescored, hits = lane.rescored, lane.records.stats.hits
     first_wave, second_wave = requests[:7], requests[7:]
     outcomes = await engine.score(first_wave)
@@ -95,15 +104,15 @@ async def test_interleaved_groups_equal_uncached_forwards(engine, model_dir):
 async def test_a_hit_that_reaches_into_the_response_is_scored_again_uncached(engine, model_dir):
     (group,) = make_groups([140], 3, response=(125, 130), seed=12, shared_start=120)
     requests = [request_of(m, topk=4, hidden=True) for m in group]
-    rescored = engine._logprob_lane.rescored, engine._pool_lane.rescored if engine._pool_lane else 0
+    rescored = engine._lane.rescored
     first = await engine.score(requests[:1])
     rest = await engine.score(requests[1:])  # member 1 starts with member 0's 120 response tokens
     references = await engine.score([_uncached(r) for r in requests])
     for request, result, reference in zip(requests, first + rest, references, strict=True):
         _assert_same(result, reference, request)
         assert_exact(result, request, model_dir, atol=ENGINE_TOL)
-    # Both lanes saw 256 cached tokens for member 1 (past P = 140) and scored it again.
-    assert (engine._logprob_lane.rescored, engine._pool_lane.rescored) == (rescored[0] + 1, rescored[1] + 1)
+    # Member 1's answer started at row 257 (256 cached, past P = 140): scored again uncached.
+    assert engine._lane.rescored == rescored + 1
     assert [r.prompt_reused_tokens for r in first + rest] == [0, 0, 128]
 
 
@@ -127,18 +136,18 @@ async def test_reuse_off_reads_no_cache(model_dir):
     # (a module fixture's engine is alive: this one only checks the lanes' absence, it starts nothing)
     engine = create_engine(EngineSpec(name="vllm", model_path=str(model_dir), device="cpu", dtype="float32",
                                       inference={**INFERENCE, "prompt_reuse": False}))
-    assert engine._logprob_lane is None and not engine._reuse.enabled
+    assert engine._lane is None and not engine._reuse.enabled
+    from proctor.server.engines.vllm_args import engine_args_from_settings
+
+    assert engine_args_from_settings(engine.spec, max_logprobs=8, prefix_caching=False)["enable_prefix_caching"] is False
 
 
 def test_the_rule_never_reads_a_row_inside_the_hit():
-    assert decide(0, 200) is Decision.WHOLE
-    assert decide(128, 200) is Decision.WHOLE  # rows from 129 computed; row 200 needs position 199
-    assert decide(200, 200) is Decision.FIRST_ROW  # row 200 needs position 199: cached
-    assert decide(256, 200) is Decision.RESCORE  # rows 201..256 are response rows inside the hit
-    assert decide(128, 200, preempted=True) is Decision.RESCORE
-    assert was_preempted(SimpleNamespace(metrics=None))  # unknown counts as preempted
-    assert was_preempted(SimpleNamespace(metrics=SimpleNamespace(num_preemptions=1)))
-    assert not was_preempted(SimpleNamespace(metrics=SimpleNamespace(num_preemptions=0)))
+    """decide() reads the first row the pooler computed (from the positions it saw), never a count."""
+    assert decide(200, 200) is Decision.WHOLE  # c < P: rows from P computed
+    assert decide(201, 200) is Decision.FIRST_ROW  # c = P: row 200 needs position 199, which was cached
+    assert decide(257, 200) is Decision.RESCORE  # rows 201..256 are response rows inside the hit
+    assert decide(150, 200) is Decision.RESCORE  # not an answer to this request's ask: never used
 
 
 @session_loop
@@ -148,7 +157,7 @@ async def test_hidden_states_of_a_fully_cached_prompt_take_row_p_from_the_group(
                               topk=0, hidden_states=True) for i, m in enumerate(group)]
     first = await engine.score(requests[:1])
     rest = await engine.score(requests[1:])
-    # Hidden-state-only requests go to the pooling engine alone: its lane saw c = P for the others.
+    # The others' answers start at row P + 1 (c = P): row P's hidden state from the leader's record.
     assert [r.prompt_reused_tokens for r in first + rest] == [0, 384, 384]
     references = await engine.score([_uncached(r) for r in requests])
     for request, result, reference in zip(requests, first + rest, references, strict=True):
