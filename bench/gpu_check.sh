@@ -63,10 +63,17 @@ DTYPE, DEVICE, UTIL = os.environ["DTYPE"], os.environ["DEVICE"], float(os.enviro
 K = 16
 
 
-def requests(vocab, n=8, length=384, seed=0):
+def requests(vocab, n=8, length=384, seed=0, tempered=True):
+    """Every output at once (the one vLLM engine's pooler computes them all), half at T = 0.7
+    where the engine applies temperatures (not vLLM-Omni's AR stage)."""
     g = torch.Generator().manual_seed(seed)
-    return [EngineRequest(f"g{i}", torch.randint(3, vocab, (length + 13 * i,), generator=g), first_row=32 + i,
-                          logprobs=True, topk=K, hidden_states=True) for i in range(n)]
+    out = []
+    for i in range(n):
+        ids = torch.randint(3, vocab, (length + 13 * i,), generator=g)
+        score_ids = torch.randint(0, vocab, (ids.shape[0] - 32 - i, K), generator=g)
+        out.append(EngineRequest(f"g{i}", ids, first_row=32 + i, logprobs=True, topk=K, hidden_states=True,
+                                 score_ids=score_ids, temperature=0.7 if i % 2 and tempered else 1.0))
+    return out
 
 
 def consistency(engine, results, batch):
@@ -98,21 +105,38 @@ async def main():
         vocab = json.load(open(f"{model}/config.json")).get("vocab_size", 512)
         batch = requests(min(vocab, 32000))
         torch_engine, ref = await run(EngineSpec(name="torch", model_path=model, device=DEVICE, dtype=DTYPE), batch)
-        vllm_engine, got = await run(
-            EngineSpec(name="vllm", model_path=model, device=DEVICE, dtype=DTYPE, max_topk=64,
-                       inference={"gpu_memory_utilization": UTIL, "max_model_len": 4096}),
-            batch,
-        )
-        lp = max((g.logprobs - r.logprobs).abs().max().item() for g, r in zip(got, ref))
-        tk = max((g.topk_logprobs - r.topk_logprobs).abs().max().item() for g, r in zip(got, ref))
-        hs = max((g.hidden_states.float() - r.hidden_states.float()).abs().max().item() for g, r in zip(got, ref))
-        ids = sum((g.topk_ids == r.topk_ids).float().mean().item() for g, r in zip(got, ref)) / len(got)
         print(f"model {model} ({DTYPE}, {DEVICE})")
-        print(f"vllm vs torch: max |d logprob| {lp:.2e}  max |d top-{K} logprob| {tk:.2e}  "
-              f"max |d hidden| {hs:.2e}  top-k ids equal {ids:.1%}")
-        print(f"self-consistency: torch {consistency(torch_engine, ref, batch):.2e}  "
-              f"vllm {consistency(vllm_engine, got, batch):.2e}")
-        await vllm_engine.close()
+        # The one-engine replica (vLLM's pooling runner + proctor's scoring pooler), on runner v1 and v2,
+        # and with tensor parallelism 2 where the machine has two devices.
+        variants = [("v1 runner", {}, 1), ("v2 runner", {"VLLM_USE_V2_MODEL_RUNNER": "1"}, 1)]
+        if DEVICE != "cpu" and torch.cuda.device_count() >= 2:
+            variants.append(("TP=2", {}, 2))
+        for label, env, tp in variants:
+            os.environ.update(env)
+            try:
+                vllm_engine, got = await run(
+                    EngineSpec(name="vllm", model_path=model, device=DEVICE, dtype=DTYPE, max_topk=64,
+                               inference={"gpu_memory_utilization": UTIL, "max_model_len": 4096,
+                                          "tensor_model_parallel_size": tp}),
+                    batch,
+                )
+            except Exception as exc:
+                print(f"vllm {label}: did not run: {type(exc).__name__}: {exc}")
+                continue
+            finally:
+                for key in env:
+                    os.environ.pop(key, None)
+            lp = max((g.logprobs - r.logprobs).abs().max().item() for g, r in zip(got, ref))
+            tk = max((g.topk_logprobs - r.topk_logprobs).abs().max().item() for g, r in zip(got, ref))
+            sc = max((g.score_logprobs - r.score_logprobs).abs().max().item() for g, r in zip(got, ref))
+            hs = max((g.hidden_states.float() - r.hidden_states.float()).abs().max().item() for g, r in zip(got, ref))
+            ids = sum((g.topk_ids == r.topk_ids).float().mean().item() for g, r in zip(got, ref)) / len(got)
+            ranks = sum((g.ranks == r.ranks).float().mean().item() for g, r in zip(got, ref)) / len(got)
+            cores = [p for p in __import__("multiprocessing").active_children()]
+            print(f"vllm {label} vs torch: max |d logprob| {lp:.2e}  max |d top-{K} logprob| {tk:.2e}  "
+                  f"max |d score_ids| {sc:.2e}  max |d hidden| {hs:.2e}  top-k ids equal {ids:.1%}  "
+                  f"ranks equal {ranks:.1%}  engine processes {len(cores)}")
+            await vllm_engine.close()
         await torch_engine.close()
     omni = os.environ.get("OMNI_MODEL")
     if omni:
@@ -125,7 +149,7 @@ async def main():
         engine = create_engine(spec)
         await engine.start()
         info = engine.describe()
-        batch = requests(info.vocab_size if info.vocab_size < 100000 else 100000, n=4)
+        batch = requests(info.vocab_size if info.vocab_size < 100000 else 100000, n=4, tempered=False)
         results = await engine.score(batch)
         print(f"vllm_omni {omni}: vocab {info.vocab_size} hidden {info.hidden_size}; "
               f"self-consistency {consistency(engine, results, batch):.2e} (bf16: ~1e-1 expected)")

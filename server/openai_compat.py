@@ -40,12 +40,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from proctor.proto import scoring_pb2
 from proctor.proto.wire import RETRY_AFTER_HEADER
 from proctor.server.bounded_json import loads_bounded
+from proctor.server.completion_json import TokenText, prompt_logprobs_json
 from proctor.server.errors import Code, ScoringError, invalid
 from proctor.server.responses import Responses
 from proctor.server.routing import ReplicaSet
@@ -237,71 +239,34 @@ class Tokenizers:
             return None
 
 
-class _Decoder:
-    """Token id -> its text as vLLM reports `decoded_token` (each id decoded alone), memoised."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self._cache: dict[int, str] = {}
-
-    def __call__(self, token: int) -> str:
-        text = self._cache.get(token)
-        if text is None:
-            text = self.tokenizer.decode([token]) if self.tokenizer is not None else ""
-            self._cache[token] = text
-        return text
-
-
-def prompt_logprobs_rows(scored: Scored, ids: list[int], decode: Callable[[int], str]) -> list[dict | None]:
-    """vLLM's `prompt_logprobs` for one prompt: None at position 0, then the actual token first
-    and the top-K in rank order, keyed by the id as a string (JSON's object keys)."""
-    result = scored.result
-    lps = result.logprobs.tolist()
-    ranks = result.ranks.tolist() if result.ranks is not None else None
-    top_ids = result.topk_ids.tolist() if result.topk_ids is not None else None
-    top_lps = result.topk_logprobs.tolist() if result.topk_logprobs is not None else None
-    rows: list[dict | None] = [None]
-    for row in range(len(ids) - 1):
-        actual = ids[row + 1]
-        candidates = top_ids[row] if top_ids is not None else []
-        if actual in candidates:  # the same rank vLLM gives it: its place among the top-K
-            rank = candidates.index(actual) + 1
-        elif ranks is not None:
-            rank = int(ranks[row])
-        else:  # an engine without ranks: below the top-K is all that is known
-            rank = len(candidates) + 1
-        entry = {str(actual): {"logprob": lps[row], "rank": rank, "decoded_token": decode(actual)}}
-        for place, token in enumerate(candidates):
-            entry.setdefault(str(token), {"logprob": top_lps[row][place], "rank": place + 1,
-                                          "decoded_token": decode(token)})
-        rows.append(entry)
-    return rows
+def token_text(tokenizer: Any) -> TokenText:
+    """`decoded_token` for ids of this tokenizer (each id decoded alone; "" without a tokenizer)."""
+    return TokenText(lambda token: tokenizer.decode([token]) if tokenizer is not None else "")
 
 
 def completion_body(ask: CompletionAsk, model: str, prompts: list[list[int]], scored: list[Scored],
-                    texts: list[str], decode: Callable[[int], str]) -> bytes:
-    """The whole `/v1/completions` answer, serialised, as vLLM shapes it."""
+                    texts: list[str], text: TokenText) -> bytes:
+    """The whole `/v1/completions` answer, serialised, as vLLM shapes it; the prompt log-probs are
+    written column-wise (`completion_json`), the rest by `json.dumps`."""
     choices = []
-    for index, (ids, score, text) in enumerate(zip(prompts, scored, texts, strict=True)):
-        choices.append({
-            "index": index,
-            "text": text if ask.echo else "",
-            "logprobs": None,
-            "finish_reason": "length",
-            "stop_reason": None,
-            "prompt_logprobs": prompt_logprobs_rows(score, ids, decode),
-            "prompt_token_ids": ids,
-        })
+    for index, (ids, score, echoed) in enumerate(zip(prompts, scored, texts, strict=True)):
+        head = {"index": index, "text": echoed if ask.echo else "", "logprobs": None, "finish_reason": "length",
+                "stop_reason": None}
+        result = score.result
+        rows = prompt_logprobs_json(
+            np.asarray(ids, dtype=np.int64), result.logprobs.numpy(),
+            None if result.ranks is None else result.ranks.numpy(),
+            None if result.topk_ids is None else result.topk_ids.numpy(),
+            None if result.topk_logprobs is None else result.topk_logprobs.numpy(), text)
+        choices.append(f'{_dumps(head)[:-1]},"prompt_logprobs":{rows},"prompt_token_ids":{_dumps(ids)}}}')
     tokens = sum(len(ids) for ids in prompts)
-    body = {
-        "id": f"cmpl-{uuid.uuid4().hex}",
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-        "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0},
-    }
-    return json.dumps(body, separators=(",", ":")).encode()
+    top = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": model}
+    usage = {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}
+    return f'{_dumps(top)[:-1]},"choices":[{",".join(choices)}],"usage":{_dumps(usage)}}}'.encode()
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"))
 
 
 class OpenAICompat:
@@ -315,6 +280,7 @@ class OpenAICompat:
         self.score = score
         self.read_body = read_body
         self.tokenizers = Tokenizers()
+        self._token_texts: dict[int, TokenText] = {}  # per tokenizer (by identity), kept across answers
 
     async def tokenizer(self, teacher: ReplicaSet) -> Any:
         if self.tokenizers.loaded(teacher):
@@ -382,14 +348,14 @@ class OpenAICompat:
             return openai_error(error)
         if any(s is None for s in scored):
             return Response(status_code=499)
-        decode = _Decoder(tokenizer)
+        text = self._token_texts.setdefault(id(tokenizer), token_text(tokenizer))
         texts = [tokenizer.decode(ids) if ask.echo and tokenizer is not None else "" for ids in prompts]
         model = ask.model or teacher.keys[0]
         cells = sum(len(ids) * (ask.topk + 1) for ids in prompts)
         if cells <= _INLINE_ANSWER_CELLS:
-            payload = completion_body(ask, model, prompts, scored, texts, decode)
+            payload = completion_body(ask, model, prompts, scored, texts, text)
         else:
-            payload = await asyncio.to_thread(completion_body, ask, model, prompts, scored, texts, decode)
+            payload = await asyncio.to_thread(completion_body, ask, model, prompts, scored, texts, text)
         self.responses.metrics.response_sent(scored[0].teacher, scored[0].mode, len(payload))
         return Response(payload, media_type="application/json")
 

@@ -19,6 +19,7 @@ import grpc
 import httpx
 import psutil
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from proctor.proto import scoring_pb2, scoring_pb2_grpc
@@ -85,6 +86,33 @@ def _stub(server):
 
 def _check(model_dir, ids, response) -> None:
     assert_matches_reference(decode_tensor(response.logprobs), model_dir, ids, atol=1e-4)
+
+
+def test_first_requests_for_every_output_meet_a_10s_deadline_on_one_engine_per_replica(two_replicas):
+    """Everything a replica serves is up before /health/ready: the first hidden-states (+ top-k,
+    score_ids, temperature) requests, one per replica, are answered within a 10 s client
+    deadline, and each replica runs exactly one EngineCore (no second engine for hidden states)."""
+    from proctor.proto.codec import encode_tensor
+
+    work = sequences(4, seed=5, length=(60, 120))
+
+    def first(ids):
+        score_ids = encode_tensor(torch.tensor([[1, 2, 3]] * (len(ids) - 10), dtype=torch.int32), first_row=10)
+        request = scoring_pb2.ScoreRequest(token_ids=ids, prompt_length=10, logprobs=True, topk=4,
+                                           hidden_states=True, score_ids=score_ids, temperature=0.7)
+        return _stub(two_replicas).Score(request, timeout=10)
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(first, work))
+    for ids, answer in zip(work, answers, strict=True):
+        assert decode_tensor(answer.hidden_states).shape == (len(ids) - 10, 64)
+        assert decode_tensor(answer.score_logprobs).shape == (len(ids) - 10, 3)
+    hosts = [p for p in psutil.Process(two_replicas.proc.pid).children() if "engine_host" in " ".join(p.cmdline())]
+    assert len(hosts) == 2
+    for host in hosts:
+        cores = [c for c in host.children(recursive=True)
+                 if "EngineCore" in c.name() or "EngineCore" in " ".join(c.cmdline())]
+        assert len(cores) == 1, cores
 
 
 def test_two_replicas_start_and_both_serve_correct_scores(two_replicas, vllm_model_dir):

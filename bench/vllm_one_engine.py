@@ -1,0 +1,187 @@
+"""proctor's one-engine vLLM replica beside stock vLLM's OpenAI server, same model, memory, load.
+
+Starts both servers on loopback (`proctor serve --engine vllm`, all outputs on; and
+`python -m vllm.entrypoints.openai.api_server`), the same tiny float32 teacher and
+`gpu_memory_utilization` each, then in one run:
+- memory: the PSS of each server's process tree, and of its engine processes alone (EngineCore
+  and its workers), after both served the same requests;
+- speed: N sequences of L tokens (default 48 x 480) sent at once, the phases alternated for
+  `--rounds` rounds (best round each): proctor gRPC top-64, proctor /v1/completions with
+  prompt_logprobs=64, stock /v1/completions with prompt_logprobs=64 (what a TRL user runs), and
+  stock's bare prefill (max_tokens=1, no prompt log-probs); scored tokens/s and ratios;
+- score_ids: K=64 (the student's top-64) vs top-64 through proctor's gRPC, alternated;
+- the first hidden-states request after /health/ready (its latency, against a 10 s deadline).
+
+    .venv/bin/python bench/vllm_one_engine.py [--seqs 48 --length 480 --rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from proctor.client import TeacherClient
+from proctor.server.tiny_model import make_tiny_model
+
+from support.servers import SubprocessServer, free_port
+
+K = 64
+
+
+def tree_pss(pid: int) -> tuple[float, float]:
+    """(GB of PSS of the process tree, GB of its engine processes: EngineCore and its children)."""
+    root = psutil.Process(pid)
+    total = engine = 0.0
+    procs = [root, *root.children(recursive=True)]
+    cores = [p for p in procs if "EngineCore" in p.name() or "EngineCore" in " ".join(p.cmdline())]
+    core_tree = {p.pid for c in cores for p in [c, *c.children(recursive=True)]}
+    for proc in procs:
+        try:
+            pss = proc.memory_full_info().pss / 1e9
+        except psutil.Error:
+            continue
+        total += pss
+        engine += pss if proc.pid in core_tree else 0.0
+    return total, engine
+
+
+class StockServer:
+    """vLLM's own OpenAI-compatible server on a loopback port."""
+
+    def __init__(self, model: Path, memory: float, max_len: int) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--dtype", "float32",
+             "--max-model-len", str(max_len), "--gpu-memory-utilization", str(memory), "--max-logprobs", str(K),
+             "--enforce-eager", "--host", "127.0.0.1", "--port", str(self.port)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if self.proc.poll() is not None:
+                raise RuntimeError("stock vLLM server exited during startup")
+            time.sleep(1)
+        raise TimeoutError("stock vLLM server did not start")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+async def completions(url: str, model: str, seqs: list[list[int]], body: dict) -> float:
+    """Seconds to answer every sequence at once through /v1/completions."""
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=len(seqs))) as http:
+        started = time.perf_counter()
+        answers = await asyncio.gather(*(http.post(url + "/v1/completions", json={
+            "model": model, "prompt": ids, "max_tokens": 1, "temperature": 0, **body}) for ids in seqs))
+        elapsed = time.perf_counter() - started
+    for answer in answers:
+        answer.raise_for_status()
+    return elapsed
+
+
+async def grpc_phase(client: TeacherClient, seqs: list[list[int]], **kwargs) -> float:
+    started = time.perf_counter()
+    await asyncio.gather(*(client.score(ids, **kwargs) for ids in seqs))
+    return time.perf_counter() - started
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seqs", type=int, default=48)
+    parser.add_argument("--length", type=int, default=480)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.1)
+    args = parser.parse_args()
+    rng = random.Random(0)
+    seqs = [[rng.randrange(3, 500) for _ in range(args.length)] for _ in range(args.seqs)]
+    max_len = 2048
+    with tempfile.TemporaryDirectory() as tmp:
+        model = make_tiny_model(Path(tmp) / "teacher")
+        proctor = SubprocessServer(["--engine", "vllm", "--model", str(model), "--dtype", "float32",
+                                    "--max-topk", str(K), "--teacher-name", "bench", "--max-model-len", str(max_len),
+                                    "--inference", f"gpu_memory_utilization={args.gpu_memory_utilization}",
+                                    "--inference", "enforce_eager=true", "--no-verbose"], startup_timeout=600)
+        try:
+            async with TeacherClient(proctor.grpc_target, max_concurrency=args.seqs) as client:
+                started = time.perf_counter()
+                await client.score(seqs[0][:256], prompt_length=128, hidden_states=True, logprobs=False,
+                                   timeout=10)
+                first_hidden = time.perf_counter() - started
+                stock = StockServer(model, args.gpu_memory_utilization, max_len)
+                try:
+                    await report(args, seqs, proctor, stock, client, first_hidden)
+                finally:
+                    stock.stop()
+        finally:
+            proctor.stop()
+
+
+async def report(args, seqs, proctor: SubprocessServer, stock: StockServer, client: TeacherClient,
+                 first_hidden: float) -> None:
+    phases = {
+        "proctor gRPC top-64": lambda: grpc_phase(client, seqs, topk=K),
+        "proctor /v1/completions prompt_logprobs=64": lambda: completions(proctor.http_url, "bench", seqs,
+                                                                          {"prompt_logprobs": K}),
+        "stock /v1/completions prompt_logprobs=64": lambda: completions(stock.url, str(stock.proc.args[4]), seqs,
+                                                                        {"prompt_logprobs": K}),
+        "stock bare prefill (max_tokens=1)": lambda: completions(stock.url, str(stock.proc.args[4]), seqs, {}),
+    }
+    for run in phases.values():  # warm-up: every path once
+        await run()
+    pss = {"proctor": tree_pss(proctor.proc.pid), "stock": tree_pss(stock.proc.pid)}
+    best = {name: float("inf") for name in phases}
+    for _ in range(args.rounds):
+        for name, run in phases.items():
+            best[name] = min(best[name], await run())
+    generator = torch.Generator().manual_seed(0)
+    prompt = args.length // 2
+    student_topk = [torch.randint(0, 500, (len(ids) - prompt, K), generator=generator, dtype=torch.int32)
+                    for ids in seqs]
+    ids_vs_topk = {"top-64": float("inf"), "score_ids K=64": float("inf")}
+    for _ in range(args.rounds):
+        ids_vs_topk["top-64"] = min(ids_vs_topk["top-64"], await grpc_phase(
+            client, seqs, prompt_length=prompt, topk=K, logprobs=False))
+        started = time.perf_counter()
+        await asyncio.gather(*(client.score(ids, prompt_length=prompt, logprobs=False, score_ids=support)
+                               for ids, support in zip(seqs, student_topk, strict=True)))
+        ids_vs_topk["score_ids K=64"] = min(ids_vs_topk["score_ids K=64"], time.perf_counter() - started)
+
+    tokens = sum(len(s) for s in seqs)
+    print(f"\n{len(seqs)} x {args.length} tokens, all sent at once; best of {args.rounds} alternated rounds; "
+          f"gpu_memory_utilization {args.gpu_memory_utilization} each\n")
+    print(f"{'phase':48s} {'tokens/s':>10s} {'vs stock scoring':>17s} {'vs stock bare':>14s}")
+    scoring, bare = best["stock /v1/completions prompt_logprobs=64"], best["stock bare prefill (max_tokens=1)"]
+    for name, seconds in best.items():
+        print(f"{name:48s} {tokens / seconds:10.0f} {scoring / seconds:16.2f}x {bare / seconds:13.2f}x")
+    print(f"\n{'process tree PSS (GB)':48s} {'proctor':>10s} {'stock':>10s} {'ratio':>8s}")
+    for index, label in enumerate(("whole tree", "engine processes (EngineCore + workers)")):
+        ours, theirs = pss["proctor"][index], pss["stock"][index]
+        print(f"{label:48s} {ours:10.2f} {theirs:10.2f} {ours / theirs:7.2f}x")
+    ratio = ids_vs_topk["score_ids K=64"] / ids_vs_topk["top-64"]
+    print(f"\nscore_ids K=64 vs top-64 (proctor gRPC, rows from L/2): {ids_vs_topk['score_ids K=64']:.2f}s vs "
+          f"{ids_vs_topk['top-64']:.2f}s = {ratio:.2f}x")
+    print(f"first hidden-states request after /health/ready: {first_hidden:.2f}s (client deadline 10 s)")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
