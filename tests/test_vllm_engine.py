@@ -371,6 +371,23 @@ def test_settings_become_engine_args():
     assert engine_args_from_settings(spec, max_logprobs=128, prefix_caching=True)["enable_prefix_caching"] is True
 
 
+def test_retired_two_engine_settings_are_refused_with_what_to_change(tmp_path):
+    model = _make(tmp_path / "m")
+    for kwargs, words in (({"hidden_states_gpu_memory_utilization": 0.2}, "no second engine"),
+                          ({"score_ids_method": "hidden_states"}, "in its pooler only")):
+        engine = create_engine(EngineSpec(name="vllm", model_path=str(model), inference={"engine_kwargs": {"vllm": kwargs}}))
+        with pytest.raises(EngineConfigError, match=words):
+            engine._validate()
+
+
+def test_an_unsupported_vllm_release_is_refused_naming_both_versions():
+    from proctor.server.engines.vllm_adapter import SUPPORTED_VLLM, check_vllm_version
+
+    with pytest.raises(EngineConfigError, match=r"vLLM 0\.10\.1 is installed, but proctor supports vLLM 0\.32\.0"):
+        check_vllm_version("0.10.1")
+    assert check_vllm_version(SUPPORTED_VLLM[0]) == SUPPORTED_VLLM[0]
+
+
 def test_max_logprobs_is_seeded_from_the_topk():
     assert resolve_max_logprobs(EngineSpec(name="vllm", model_path="/m", max_topk=20), "vllm") == 20
 

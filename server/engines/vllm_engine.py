@@ -30,13 +30,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from proctor.server.engines import EngineConfigError
 from proctor.server.engines.base import EngineError, EngineRequest, EngineResult
 from proctor.server.engines.checkpoint import check_cpu_head_dim, model_facts
 from proctor.server.engines.checks import check_vllm_settings
 from proctor.server.engines.pooled_scores import PooledScores, ScoreAsk, unpack
 from proctor.server.engines.row_scores import score_rows
 from proctor.server.engines.vllm_adapter import SCORING_TASK, check_vllm_version, engine_classes
-from proctor.server.engines.vllm_args import engine_args_from_settings, engine_request_id
+from proctor.server.engines.vllm_args import engine_args_from_settings, engine_kwargs_of, engine_request_id
 from proctor.server.engines.vllm_common import PROBE_TIMEOUT_S, VllmFamilyEngine
 from proctor.server.engines.vllm_media import VllmMedia
 from proctor.server.engines.vllm_prefix import Decision, KeptRow, PrefixLane, Scored
@@ -74,6 +75,15 @@ class VllmEngine(VllmFamilyEngine):
     # -- lifecycle -------------------------------------------------------------------------
     def _validate(self) -> None:
         check_vllm_version()
+        own = engine_kwargs_of(self.spec, self.engine_name)
+        if "hidden_states_gpu_memory_utilization" in own:
+            raise EngineConfigError(
+                "inference.engine_kwargs.vllm.hidden_states_gpu_memory_utilization: there is no second engine for "
+                "hidden states any more (one engine serves every output); remove it and size gpu_memory_utilization")
+        if own.get("score_ids_method") not in (None, "", "auto", SCORE_IDS_METHOD):
+            raise EngineConfigError(
+                f"inference.engine_kwargs.vllm.score_ids_method is {own['score_ids_method']!r}: the vLLM engine scores "
+                f"score_ids in its pooler only; use auto or {SCORE_IDS_METHOD!r}")
         check_vllm_settings(self.settings, topk=self.spec.max_topk, max_logprobs=self.max_logprobs,
                             hidden_states=False)
         check_cpu_head_dim(model_facts(self.spec.model_path), self.spec.device)
