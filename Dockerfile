@@ -3,7 +3,7 @@
 # Proctor teacher-scoring server images. Three targets, one per kind of node:
 #
 #   docker build --target cpu    -t proctor:0.1.0-cpu    .   # torch engine, CPU only
-#   docker build --target cuda   -t proctor:0.1.0-cuda   .   # vLLM + vLLM-Omni, NVIDIA GPUs
+#   docker build --target cuda   -t proctor:0.1.0-cuda   .   # vLLM (vLLM-Omni with build args), NVIDIA GPUs
 #   docker build --target ascend -t proctor:0.1.0-ascend .   # vllm-ascend + torch-npu, Ascend NPUs (A3 / 910C)
 #
 # NOTE: these images have NOT been built on the machine this file was written on: it has a
@@ -92,22 +92,26 @@ RUN apt-get update \
 
 FROM cuda-base AS cuda-build
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
-ARG VLLM_VERSION=0.30.0
-ARG VLLM_OMNI_VERSION=0.30.0
+# vLLM 0.32.0: the release proctor's vLLM adapter supports (its scoring pooler). vLLM-Omni's newest
+# release (0.30.0) pins vLLM 0.30, which that adapter refuses: an Omni node builds with
+# --build-arg VLLM_VERSION=0.30.0 --build-arg VLLM_OMNI_VERSION=0.30.0 (inference.name=vllm_omni;
+# inference.name=vllm then refuses to start, naming the versions).
+ARG VLLM_VERSION=0.32.0
+ARG VLLM_OMNI_VERSION=
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONDONTWRITEBYTECODE=1
 RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 # vLLM-Omni's minor version tracks vLLM's: bump both together.
-RUN pip install --no-cache-dir "vllm==${VLLM_VERSION}" "vllm-omni==${VLLM_OMNI_VERSION}" \
+RUN pip install --no-cache-dir "vllm==${VLLM_VERSION}" ${VLLM_OMNI_VERSION:+"vllm-omni==${VLLM_OMNI_VERSION}"} \
     && pip freeze | grep -iE '^(torch|vllm|vllm-omni|vllm_omni|triton|xformers|flashinfer-python)==' \
        > /opt/engine-constraints.txt
 WORKDIR /src
 COPY . /src
 # The constraints keep pip from swapping the engine stack while it resolves proctor's extras.
 # hadolint ignore=DL3013
-RUN pip install --no-cache-dir -c /opt/engine-constraints.txt ".[server,vllm]" \
+RUN pip install --no-cache-dir -c /opt/engine-constraints.txt ".[server]" \
     && proctor --help > /dev/null
 
 FROM cuda-base AS cuda
