@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from proctor.server.engines.pooled_scores import ScoreAsk, pack
-from proctor.server.engines.row_scores import score_rows
+from proctor.server.engines.row_scores import RowScores, score_rows
 from proctor.server.engines.vllm_adapter import (
     SCORING_TASK,
     model_registry,
@@ -111,50 +111,57 @@ class ScoringPooler(_Pooler):
         token_ids = pooling_metadata.prompt_token_ids
         if token_ids is None:
             token_ids = pooling_metadata.prompt_token_ids_cpu
-        outputs: list[torch.Tensor | None] = []
+        chunks: list[_Chunk] = []
         start = 0
         for i, count in enumerate(counts):
-            chunk = hidden_states[start : start + count]
-            start += count
             params = pooling_metadata.pooling_params[i]
             ask = ScoreAsk.from_kwargs(params.extra_kwargs) if params.extra_kwargs else _PROFILE_ASK
+            chunks.append(_Chunk(i, ask, hidden_states[start : start + count], int(seq_lens[i]) - count,
+                                 int(prompt_lens[i])))
+            start += count
+        self._score_step(chunks, token_ids)
+        outputs: list[torch.Tensor | None] = []
+        for i, chunk in enumerate(chunks):
             state = pooling_metadata.pooling_states[i]
-            first_position = int(seq_lens[i]) - count  # positions first_position.. in this chunk
             parts = getattr(state, "proctor_parts", None)
-            if not parts or parts[-1]["next_position"] != first_position:
+            if not parts or parts[-1]["next_position"] != chunk.first_position:
                 parts = state.proctor_parts = []  # a first chunk, or a request resumed after preemption
-            parts.append(self._score_chunk(ask, chunk, first_position, int(prompt_lens[i]), token_ids[i]))
+            parts.append(chunk.part)
             if finished[i]:
-                outputs.append(_packed(ask, parts, hidden_states.device))
+                outputs.append(_packed(chunk.ask, parts, hidden_states.device))
                 state.proctor_parts = None
             else:
                 outputs.append(None)
         return outputs
 
-    def _score_chunk(self, ask: ScoreAsk, chunk: torch.Tensor, first_position: int, total: int,
-                     token_ids: torch.Tensor) -> dict[str, Any]:
-        """The asked outputs of one request's chunk: positions first_position..+len(chunk)-1,
-        i.e. rows first_position+1.., of which rows ask.first_row..total-1 are wanted."""
-        lo = max(ask.first_row, first_position + 1)
-        hi = min(total - 1, first_position + chunk.shape[0])  # last wanted row in the chunk
-        rows = max(0, hi - lo + 1)
-        states = chunk[lo - 1 - first_position : lo - 1 - first_position + rows]
-        part: dict[str, Any] = {"first_row": lo, "n": rows, "next_position": first_position + chunk.shape[0]}
-        if ask.scores and rows:
-            targets = token_ids[lo:hi + 1].to(device=chunk.device, dtype=torch.long, non_blocking=True)
-            temperatures = None if ask.temperature == 1.0 else torch.full(
-                (rows,), ask.temperature, dtype=torch.float32, device=chunk.device)
-            wanted = ask.score_ids_tensor(total - ask.first_row)
-            if wanted is not None:
-                wanted = wanted[lo - ask.first_row : hi + 1 - ask.first_row].to(chunk.device)
-            part["scores"] = score_rows(self._logits, states, targets, topk=ask.topk,
-                                        temperatures=temperatures, score_ids=wanted)
-        if ask.hidden:
-            part["hidden"] = states.clone()
-        kept = ask.keep_row - 1 - first_position  # the kept row's position within the chunk
-        if ask.keep_row and 0 <= kept < chunk.shape[0]:
-            part["kept"] = (self._logits(chunk[kept : kept + 1]).float().reshape(-1), chunk[kept].float())
-        return part
+    def _score_step(self, chunks: list[_Chunk], token_ids: torch.Tensor) -> None:
+        """Every chunk's asked outputs (`_Chunk.part`), the rows of all the step's requests scored
+        in one pass (`row_scores.score_rows`): a few large kernels rather than a few per request."""
+        scored = [c for c in chunks if c.ask.scores and c.rows]
+        if scored:
+            device = scored[0].states.device
+            states = torch.cat([c.states for c in scored])
+            targets = torch.cat([token_ids[c.index][c.lo : c.lo + c.rows] for c in scored])
+            tempered = any(c.ask.temperature != 1.0 for c in scored)
+            temperatures = torch.cat([torch.full((c.rows,), c.ask.temperature) for c in scored]) if tempered else None
+            width = max(c.ask.score_k for c in scored)
+            wanted = torch.cat([c.score_ids(width) for c in scored]) if width else None
+            scores = score_rows(
+                self._logits, states, targets.to(device=device, dtype=torch.long, non_blocking=True),
+                topk=max(c.ask.topk for c in scored),
+                temperatures=None if temperatures is None else temperatures.to(device, non_blocking=True),
+                score_ids=None if wanted is None else wanted.to(device, non_blocking=True))
+            offset = 0
+            for chunk in scored:
+                chunk.take_scores(scores, offset)
+                offset += chunk.rows
+        for chunk in chunks:
+            if chunk.ask.hidden:
+                chunk.part["hidden"] = chunk.states.clone()
+            kept = chunk.ask.keep_row - 1 - chunk.first_position  # the kept row's position in the chunk
+            if chunk.ask.keep_row and 0 <= kept < chunk.hidden.shape[0]:
+                row = chunk.hidden[kept : kept + 1]
+                chunk.part["kept"] = (self._logits(row).float().reshape(-1), row.float().reshape(-1))
 
     def _logits(self, states: torch.Tensor) -> torch.Tensor:
         logits = self._compute_logits(states)
@@ -162,6 +169,36 @@ class ScoringPooler(_Pooler):
             raise RuntimeError("the model's compute_logits returned no logits on this tensor-parallel rank: "
                                "proctor's scoring pooler needs a platform that all-gathers logits")
         return logits
+
+
+class _Chunk:
+    """One request's (the step's `index`-th) positions `first_position..` in this step, of which rows `lo..lo+rows-1` are
+    asked (rows `ask.first_row..total-1`; row i from position i-1), and what was computed of them."""
+
+    def __init__(self, index: int, ask: ScoreAsk, hidden: torch.Tensor, first_position: int, total: int) -> None:
+        self.index, self.ask, self.hidden, self.first_position, self.total = index, ask, hidden, first_position, total
+        self.lo = max(ask.first_row, first_position + 1)
+        last = min(total - 1, first_position + hidden.shape[0])  # the last asked row in the chunk
+        self.rows = max(0, last - self.lo + 1)
+        self.states = hidden[self.lo - 1 - first_position : self.lo - 1 - first_position + self.rows]
+        self.part: dict[str, Any] = {"first_row": self.lo, "n": self.rows,
+                                     "next_position": first_position + hidden.shape[0]}
+
+    def score_ids(self, width: int) -> torch.Tensor:
+        """This chunk's rows of the asked ids, padded with -1 to `width` columns."""
+        out = torch.full((self.rows, width), -1, dtype=torch.int32)
+        ids = self.ask.score_ids_tensor(self.total - self.ask.first_row)
+        if ids is not None:
+            out[:, : ids.shape[1]] = ids[self.lo - self.ask.first_row : self.lo - self.ask.first_row + self.rows]
+        return out
+
+    def take_scores(self, scores: RowScores, offset: int) -> None:
+        rows, ask = slice(offset, offset + self.rows), self.ask
+        self.part["scores"] = RowScores(
+            logprobs=scores.logprobs[rows], ranks=scores.ranks[rows],
+            topk_ids=scores.topk_ids[rows, : ask.topk] if ask.topk else None,
+            topk_logprobs=scores.topk_logprobs[rows, : ask.topk] if ask.topk else None,
+            score_logprobs=scores.score_logprobs[rows, : ask.score_k] if ask.score_k else None)
 
 
 def _packed(ask: ScoreAsk, parts: list[dict[str, Any]], device: torch.device) -> torch.Tensor:
