@@ -142,15 +142,15 @@ def test_one_teacher_needs_no_model_and_text_prompts_use_its_tokenizer(torch_ser
 
 
 @pytest.mark.vllm
-def test_trl_against_the_vllm_engine_and_its_temperature_refusal(vllm_server, tiny_model_dir):
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_trl_against_the_vllm_engine_at_its_temperature(vllm_server, tiny_model_dir, temperature):
+    """The one vLLM engine applies the request's temperature on the device (its scoring pooler)."""
     from trl.generation.vllm_client import VLLMClient
 
     client = VLLMClient(base_url=vllm_server.http_url)
-    out = client.get_sequence_logprobs(SEQUENCES, PROMPT_LENGTHS, top_logprobs=3)
+    out = client.get_sequence_logprobs(SEQUENCES, PROMPT_LENGTHS, top_logprobs=3, temperature=temperature)
     for index, (ids, prompt_length) in enumerate(zip(SEQUENCES, PROMPT_LENGTHS, strict=True)):
-        ref = reference_rows(tiny_model_dir, ids, prompt_length)
+        ref = reference_rows(tiny_model_dir, ids, prompt_length, temperature=temperature)
         assert out["logprob_token_ids"][index] == ref.topk(3)[0].tolist()
         torch.testing.assert_close(torch.tensor(out["actual_logprobs"][index], dtype=torch.float64)[:, 0],
                                    ref.logprobs, rtol=0, atol=1e-4)
-    response = _post(vllm_server, {"prompt": [1, 2, 3], "max_tokens": 1, "prompt_logprobs": 1, "temperature": 0.5})
-    assert response.status_code == 400 and response.json()["error"]["param"] == "temperature"

@@ -110,7 +110,7 @@ def test_list_teachers_states_score_ids_and_the_method(scoring_server):
 
     (info,) = (asyncio.run(go())).values()
     assert "score_ids" in info.outputs
-    expected = {"torch": {"log_softmax"}, "vllm": {"prompt_logprob_token_ids", "hidden_states"}}
+    expected = {"torch": {"log_softmax"}, "vllm": {"pooler"}}
     assert info.score_ids_method in expected[scoring_server.engine]
 
 

@@ -134,17 +134,18 @@ def test_two_replicas_start_and_both_serve_correct_scores(two_replicas, vllm_mod
     assert min(served.values()) > 0, served  # both replicas took work
 
 
-def test_sequence_of_max_model_len_tokens_is_invalid_and_restarts_nothing(two_replicas):
+def test_sequence_past_max_model_len_is_invalid_and_restarts_nothing(two_replicas):
     before = _metrics(two_replicas)
-    ids = [3 + i % 500 for i in range(MAX_MODEL_LEN)]  # max_model_len tokens: no slot left for the output
+    ids = [3 + i % 500 for i in range(MAX_MODEL_LEN + 1)]  # one past max_model_len
     with pytest.raises(grpc.RpcError) as err:
         _stub(two_replicas).Score(scoring_pb2.ScoreRequest(token_ids=ids, logprobs=True), timeout=60)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details().startswith("token_ids:")
     answer = httpx.post(two_replicas.http_url + "/v1/score", json={"token_ids": ids}, timeout=60)
     assert answer.status_code == 422 and answer.json()["error"]["field"] == "token_ids"
+    # max_model_len tokens fit: a pooled prefill generates nothing, so it needs no output slot
     fits = _stub(two_replicas).Score(scoring_pb2.ScoreRequest(token_ids=ids[:-1], logprobs=True), timeout=60)
-    assert len(decode_tensor(fits.logprobs)) == MAX_MODEL_LEN - 2
+    assert len(decode_tensor(fits.logprobs)) == MAX_MODEL_LEN - 1
     after = _metrics(two_replicas)
     for name in ("proctor:replica_failures_total", "proctor:replica_restarts_total"):
         assert _total(after, name) == _total(before, name)
