@@ -61,7 +61,7 @@ async def bench_engine(name: str, model: Path, args, seqs: list[list[int]]) -> d
     rates: dict[str, float] = {}
     try:
         for label, mode in MODES.items():
-            # warm-up (for vllm: also starts the pooling engine before hidden states are timed)
+            # warm-up
             await asyncio.gather(*(service.score(request(i, s, mode)) for i, s in enumerate(seqs[:4])))
             best = float("inf")
             for _ in range(args.repeat):

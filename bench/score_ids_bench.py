@@ -59,7 +59,7 @@ async def bench(name: str, model: Path, args, seqs: list[list[int]], vocab: int)
     try:
         for mode in ("topk", "score_ids"):
             batch = requests(mode)
-            await asyncio.gather(*(service.score(r) for r in batch[:4]))  # warm-up (vLLM: the pooling engine)
+            await asyncio.gather(*(service.score(r) for r in batch[:4]))  # warm-up
             best, scored = float("inf"), []
             for _ in range(args.repeat):
                 t0 = time.perf_counter()

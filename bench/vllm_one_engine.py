@@ -5,14 +5,15 @@ Starts both servers on loopback (`proctor serve --engine vllm`, all outputs on; 
 `gpu_memory_utilization` each, then in one run:
 - memory: the PSS of each server's process tree, and of its engine processes alone (EngineCore
   and its workers), after both served the same requests;
-- speed: N sequences of L tokens (default 48 x 480) sent at once, the phases alternated for
+- speed: N sequences of L tokens (default 48 x 480, new ones for every run, so no run reads a
+  prefix cache another left) sent at once, the phases alternated for
   `--rounds` rounds (best round each): proctor gRPC top-64, proctor /v1/completions with
   prompt_logprobs=64, stock /v1/completions with prompt_logprobs=64 (what a TRL user runs), and
   stock's bare prefill (max_tokens=1, no prompt log-probs); scored tokens/s and ratios;
 - score_ids: K=64 (the student's top-64) vs top-64 through proctor's gRPC, alternated;
 - the first hidden-states request after /health/ready (its latency, against a 10 s deadline).
 
-    .venv/bin/python bench/vllm_one_engine.py [--seqs 48 --length 480 --rounds 3]
+    .venv/bin/python bench/vllm_one_engine.py [--seqs 48 --length 480 --rounds 3] [--wide]
 """
 
 from __future__ import annotations
@@ -39,21 +40,26 @@ from support.servers import SubprocessServer, free_port
 K = 64
 
 
-def tree_pss(pid: int) -> tuple[float, float]:
-    """(GB of PSS of the process tree, GB of its engine processes: EngineCore and its children)."""
+def tree_pss(pid: int) -> tuple[float, float, float]:
+    """GB of PSS of (the whole process tree, the replica: the AsyncLLM's process and everything
+    below it, its engine processes alone: EngineCore and its children). proctor's replica is its
+    replica worker's subtree; stock vLLM's is the whole server (its API process holds the AsyncLLM)."""
     root = psutil.Process(pid)
-    total = engine = 0.0
     procs = [root, *root.children(recursive=True)]
-    cores = [p for p in procs if "EngineCore" in p.name() or "EngineCore" in " ".join(p.cmdline())]
-    core_tree = {p.pid for c in cores for p in [c, *c.children(recursive=True)]}
+
+    def subtree(match) -> set[int]:
+        return {p.pid for c in procs if match(" ".join(c.cmdline()) + c.name()) for p in [c, *c.children(recursive=True)]}
+
+    cores = subtree(lambda text: "EngineCore" in text)
+    hosts = subtree(lambda text: "engine_host" in text) or {p.pid for p in procs}
+    sizes = {}
     for proc in procs:
         try:
-            pss = proc.memory_full_info().pss / 1e9
+            sizes[proc.pid] = proc.memory_full_info().pss / 1e9
         except psutil.Error:
             continue
-        total += pss
-        engine += pss if proc.pid in core_tree else 0.0
-    return total, engine
+    return (sum(sizes.values()), sum(v for k, v in sizes.items() if k in hosts),
+            sum(v for k, v in sizes.items() if k in cores))
 
 
 class StockServer:
@@ -92,10 +98,11 @@ async def completions(url: str, model: str, seqs: list[list[int]], body: dict) -
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=len(seqs))) as http:
         started = time.perf_counter()
         answers = await asyncio.gather(*(http.post(url + "/v1/completions", json={
-            "model": model, "prompt": ids, "max_tokens": 1, "temperature": 0, **body}) for ids in seqs))
+            "model": model, "prompt": ids, "max_tokens": 1, **body}) for ids in seqs))
         elapsed = time.perf_counter() - started
     for answer in answers:
-        answer.raise_for_status()
+        if answer.status_code != 200:
+            raise RuntimeError(f"{url}: {answer.status_code} {answer.text[:300]}")
     return elapsed
 
 
@@ -111,12 +118,15 @@ async def main() -> None:
     parser.add_argument("--length", type=int, default=480)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.1)
+    parser.add_argument("--wide", action="store_true",
+                        help="a 4-layer, 256-wide teacher (default: the 2-layer, 64-wide tiny one)")
     args = parser.parse_args()
     rng = random.Random(0)
     seqs = [[rng.randrange(3, 500) for _ in range(args.length)] for _ in range(args.seqs)]
     max_len = 2048
     with tempfile.TemporaryDirectory() as tmp:
-        model = make_tiny_model(Path(tmp) / "teacher")
+        shape = dict(hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=2, intermediate_size=512) if args.wide else {}
+        model = make_tiny_model(Path(tmp) / "teacher", **shape)
         proctor = SubprocessServer(["--engine", "vllm", "--model", str(model), "--dtype", "float32",
                                     "--max-topk", str(K), "--teacher-name", "bench", "--max-model-len", str(max_len),
                                     "--inference", f"gpu_memory_utilization={args.gpu_memory_utilization}",
@@ -138,13 +148,20 @@ async def main() -> None:
 
 async def report(args, seqs, proctor: SubprocessServer, stock: StockServer, client: TeacherClient,
                  first_hidden: float) -> None:
+    rng = random.Random(1)
+
+    def fresh() -> list[list[int]]:
+        """New sequences for every run: no phase reads a prefix another run left in a cache."""
+        return [[rng.randrange(3, 500) for _ in range(args.length)] for _ in range(args.seqs)]
+
+    model = str(stock.proc.args[4])
     phases = {
-        "proctor gRPC top-64": lambda: grpc_phase(client, seqs, topk=K),
-        "proctor /v1/completions prompt_logprobs=64": lambda: completions(proctor.http_url, "bench", seqs,
+        "proctor gRPC top-64": lambda: grpc_phase(client, fresh(), topk=K),
+        "proctor /v1/completions prompt_logprobs=64": lambda: completions(proctor.http_url, "bench", fresh(),
                                                                           {"prompt_logprobs": K}),
-        "stock /v1/completions prompt_logprobs=64": lambda: completions(stock.url, str(stock.proc.args[4]), seqs,
+        "stock /v1/completions prompt_logprobs=64": lambda: completions(stock.url, model, fresh(),
                                                                         {"prompt_logprobs": K}),
-        "stock bare prefill (max_tokens=1)": lambda: completions(stock.url, str(stock.proc.args[4]), seqs, {}),
+        "stock bare prefill (max_tokens=1)": lambda: completions(stock.url, model, fresh(), {}),
     }
     for run in phases.values():  # warm-up: every path once
         await run()
@@ -160,21 +177,24 @@ async def report(args, seqs, proctor: SubprocessServer, stock: StockServer, clie
     ids_vs_topk = {"top-64": float("inf"), "score_ids K=64": float("inf")}
     for _ in range(args.rounds):
         ids_vs_topk["top-64"] = min(ids_vs_topk["top-64"], await grpc_phase(
-            client, seqs, prompt_length=prompt, topk=K, logprobs=False))
+            client, fresh(), prompt_length=prompt, topk=K, logprobs=False))
+        batch = fresh()
         started = time.perf_counter()
         await asyncio.gather(*(client.score(ids, prompt_length=prompt, logprobs=False, score_ids=support)
-                               for ids, support in zip(seqs, student_topk, strict=True)))
+                               for ids, support in zip(batch, student_topk, strict=True)))
         ids_vs_topk["score_ids K=64"] = min(ids_vs_topk["score_ids K=64"], time.perf_counter() - started)
 
     tokens = sum(len(s) for s in seqs)
-    print(f"\n{len(seqs)} x {args.length} tokens, all sent at once; best of {args.rounds} alternated rounds; "
+    print(f"\nteacher: {'4 layers x 256' if args.wide else '2 layers x 64'}, vocab 512, float32; "
+          f"{len(seqs)} x {args.length} tokens, all sent at once; best of {args.rounds} alternated rounds; "
           f"gpu_memory_utilization {args.gpu_memory_utilization} each\n")
     print(f"{'phase':48s} {'tokens/s':>10s} {'vs stock scoring':>17s} {'vs stock bare':>14s}")
     scoring, bare = best["stock /v1/completions prompt_logprobs=64"], best["stock bare prefill (max_tokens=1)"]
     for name, seconds in best.items():
         print(f"{name:48s} {tokens / seconds:10.0f} {scoring / seconds:16.2f}x {bare / seconds:13.2f}x")
     print(f"\n{'process tree PSS (GB)':48s} {'proctor':>10s} {'stock':>10s} {'ratio':>8s}")
-    for index, label in enumerate(("whole tree", "engine processes (EngineCore + workers)")):
+    for index, label in enumerate(("whole tree (proctor: + its front process)", "replica (AsyncLLM process + engine)",
+                                   "engine processes (EngineCore + workers)")):
         ours, theirs = pss["proctor"][index], pss["stock"][index]
         print(f"{label:48s} {ours:10.2f} {theirs:10.2f} {ours / theirs:7.2f}x")
     ratio = ids_vs_topk["score_ids K=64"] / ids_vs_topk["top-64"]

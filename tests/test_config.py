@@ -214,7 +214,7 @@ def test_hidden_state_loss_on_omni_needs_chunked_prefill_off_and_a_whole_sequenc
 
 
 def test_hidden_state_loss_on_vllm_takes_its_settings_as_they_are(tmp_path):
-    # vLLM's hidden states come from its pooling engine, which runs unchunked with whole sequences.
+    # vLLM's scoring pooler keeps each prefill chunk's outputs: any step size serves hidden states.
     teacher = torch_teacher("/m/a")
     teacher["inference"].update(name="vllm", max_num_batched_tokens=100)
     doc = cpu_config({"t": teacher}, devices=1)

@@ -92,5 +92,5 @@ async def test_vllm_engine_runs_the_checks_before_starting(tmp_path):
     )
     with pytest.raises(EngineConfigError, match="does not exist"):
         await create_engine(spec).start()
-    # Hidden states come from the pooling engine, which always runs without chunked prefill, so
+    # Hidden states come from the scoring pooler, which keeps each prefill chunk's outputs, so
     # a vLLM teacher's chunked-prefill setting is no reason to refuse them (vLLM-Omni's is).

@@ -113,8 +113,8 @@ def _engine_problems(
         # The student's top-k travels as score_ids, held to the same max_logprobs as a top-k.
         topk = loss.topk if (loss.is_topk or loss.is_student_topk) and loss.topk else 0
         calls.append(lambda: checks.check_max_logprobs(max_topk, topk, engine=engine))
-        # vLLM-Omni serves hidden states from its one AR engine; vLLM from a pooling engine that
-        # always runs without chunked prefill and with whole sequences, whatever is set.
+        # vLLM-Omni's AR runner returns hidden states of whole prefills only; vLLM's scoring pooler
+        # keeps each prefill chunk's outputs, so there chunked prefill and any step size work.
         if loss.is_hidden_state and engine == "vllm_omni":
             calls.append(lambda: checks.check_hidden_states_prefill(inf.enable_chunked_prefill))
             calls.append(lambda: checks.check_batched_tokens(inf.max_num_batched_tokens, *lengths))
@@ -132,8 +132,8 @@ VERL_GPU_MEMORY_UTILIZATION = 0.5  # verl's rollout default, what a verl run giv
 
 def serves_hidden_states(engine: str, inference: InferenceConfig, loss: DistillationLossConfig) -> bool:
     """The one hidden-state decision: `inference.hidden_states` as set; else on where unused
-    hidden states cost nothing (torch; vLLM starts its pooling engine on the first request that
-    asks), and for vLLM-Omni (whose AR runner copies them out on every request) only when the
+    hidden states cost nothing (torch; vLLM's scoring pooler computes them only for requests that
+    ask), and for vLLM-Omni (whose AR runner copies them out on every request) only when the
     loss needs them."""
     if inference.hidden_states is not None:
         return inference.hidden_states
