@@ -63,6 +63,15 @@ accumulates the chunks (renaming "hidden" to the stage's output type) into the r
 only for requests that ask for them. The cost is the runner's device→host copy of [T, H] per
 request, paid whether or not the request wanted hidden states.
 
+Why not the vLLM engine's scoring pooler (`vllm_scoring_model`): vLLM-Omni's entry point submits
+generation requests only — `AsyncOmni.encode()` raises NotImplementedError ("encode() is not
+implemented for AsyncOmni"), so no PoolingParams (and no per-request ask) reaches a stage — and
+its AR model runner already uses `ModelRunnerOutput.pooler_output` for the stage's hidden-state
+payload (`GPUARModelRunner.sample_tokens`), where a pooler's answer would have to travel. Read in
+the newest vLLM-Omni source this project could fetch (v0.11.0rc1 + 138 commits); 0.30.0's wheel
+was not inspectable here. So this engine keeps vLLM's prompt log-probs, the latent hidden
+states, and score_ids from those (refused for a teacher whose logits are soft-capped or scaled).
+
 vLLM-Omni needs CUDA or Ascend (no CPU platform) and pins its own transformers, so this engine
 cannot run in CPU CI: tests/test_vllm_omni_engine.py runs it against tests/omni_fakes.py, whose
 `FakeAsyncOmni` mirrors 0.30.0's behaviour with a real child process as the stage; everything it
