@@ -57,6 +57,15 @@ def engine_classes() -> tuple[Any, Any, Any, Any]:
     return AsyncEngineArgs, AsyncLLM, PoolingParams, TokensPrompt
 
 
+async def render_tokens_prompt(engine: Any, prompt: dict[str, Any]) -> Any:
+    """vLLM's rendered input for a token prompt with media (its multimodal processor run once,
+    as `generate`/`encode` would run it), through the engine's renderer."""
+    from vllm import TokensPrompt
+
+    (engine_input,) = await engine.renderer.render_cmpl_async([TokensPrompt(**prompt)])
+    return engine_input
+
+
 def model_registry() -> Any:
     from vllm import ModelRegistry
 

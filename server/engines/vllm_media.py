@@ -76,8 +76,8 @@ class VllmMedia:
         prompt = self.token_prompt(request)
         if not request.media:
             return prompt
-        from vllm import TokensPrompt
+        from proctor.server.engines.vllm_adapter import render_tokens_prompt
 
-        (engine_input,) = await engine.renderer.render_cmpl_async([TokensPrompt(**prompt)])
+        engine_input = await render_tokens_prompt(engine, prompt)
         self.check_expansion(request, list(engine_input["prompt_token_ids"]))
         return engine_input
