@@ -40,7 +40,7 @@ from proctor.server.engines.vllm_adapter import SCORING_TASK, check_vllm_version
 from proctor.server.engines.vllm_args import engine_args_from_settings, engine_kwargs_of, engine_request_id
 from proctor.server.engines.vllm_common import PROBE_TIMEOUT_S, VllmFamilyEngine
 from proctor.server.engines.vllm_media import VllmMedia
-from proctor.server.engines.vllm_prefix import Decision, KeptRow, PrefixLane, Scored
+from proctor.server.engines.vllm_prefix import KeptRow, PrefixLane, Scored
 from proctor.server.engines.vllm_scoring_model import scoring_architecture
 from proctor.server.prompt_reuse import ReuseSettings
 
@@ -148,10 +148,7 @@ class VllmEngine(VllmFamilyEngine):
             return self._result(request, scored.pooled, reused=None)
         answer = await lane.run(request, lambda read, keep: self._encode(request, read_cache=read, keep_row=keep),
                                 lambda: self._prompt_row(request))
-        result = self._result(request, answer.scored.pooled, reused=answer.reused_tokens, row=answer.row)
-        if answer.decision is Decision.WHOLE and answer.reused_tokens == 0:
-            result.prompt_reused_tokens = 0
-        return result
+        return self._result(request, answer.scored.pooled, reused=answer.reused_tokens, row=answer.row)
 
     def _ask(self, request: EngineRequest, *, keep_row: int = 0) -> ScoreAsk:
         score_ids = b"" if request.score_ids is None else np.ascontiguousarray(
