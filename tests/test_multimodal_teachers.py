@@ -183,6 +183,9 @@ def _bad_requests(model_dir):
          "images"),
         ("audio at a rate the feature extractor refuses", audio_ids, {"audios": [wav(tone(0.6, 8000), 8000)]},
          "audios"),
+        # A lost image: its placeholder run scored as text would misalign every later row.
+        ("image placeholders and no media", ids, {}, "images"),
+        ("image placeholders and only an audio clip", ids, {"audios": audio_sample.audios}, "images"),
     ]
 
 

@@ -388,6 +388,17 @@ def test_an_unsupported_vllm_release_is_refused_naming_both_versions():
     assert check_vllm_version(SUPPORTED_VLLM[0]) == SUPPORTED_VLLM[0]
 
 
+@session_loop
+async def test_the_record_of_aborted_keys_is_bounded(tmp_path):
+    from proctor.server.engines.vllm_common import ABORTED_KEPT
+
+    engine = create_engine(EngineSpec(name="vllm", model_path=str(_make(tmp_path / "m"))))
+    loop = asyncio.get_running_loop()
+    engine._running = {f"k{i}": loop.create_future() for i in range(ABORTED_KEPT + 500)}
+    await engine.abort(list(engine._running))
+    assert len(engine.aborted) == ABORTED_KEPT and engine.aborted[-1] == f"k{ABORTED_KEPT + 499}"
+
+
 def test_max_logprobs_is_seeded_from_the_topk():
     assert resolve_max_logprobs(EngineSpec(name="vllm", model_path="/m", max_topk=20), "vllm") == 20
 

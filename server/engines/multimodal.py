@@ -92,7 +92,8 @@ def _item_counts(request: EngineRequest) -> dict[str, int]:
 
 def check_counts(request: EngineRequest, placeholders: Placeholders) -> RequestRejected | None:
     """The cheap half of the rule, before any processing: media of kinds the model serves,
-    and one placeholder run per item of each kind."""
+    one placeholder run per item of each kind, and no placeholder of a kind the request carries
+    none of (a text request to a multimodal teacher included)."""
     ids = request.token_ids.numpy()
     for kind, count in _item_counts(request).items():
         if count and kind not in placeholders.token_ids:
@@ -101,6 +102,12 @@ def check_counts(request: EngineRequest, placeholders: Placeholders) -> RequestR
         if kind not in placeholders.token_ids:
             continue
         found = len(runs(ids, placeholders.token_ids[kind]))
+        if found and not count:  # a lost item: scored as text, every row after it would be misaligned
+            position = int(np.flatnonzero(ids == placeholders.token_ids[kind])[0])
+            return RequestRejected(
+                kind, f"token {position} is the model's {kind} placeholder, but the request carries no {kind}: "
+                f"attach the {kind} the rollout's processor expanded there",
+            )
         if found != count:
             return RequestRejected(
                 "token_ids", f"{found} {kind} placeholder run(s) for {count} {kind}: send the prompt's "

@@ -31,6 +31,7 @@ from proctor.server.engines.base import (
     serving_dtype,
 )
 from proctor.server.engines.logit_transforms import LogitTransforms, logit_transforms
+from proctor.server.engines.multimodal import check_counts
 from proctor.server.engines.row_scores import score_rows
 from proctor.server.engines.torch_media import PreparedMedia, TorchMedia, is_multimodal, load_multimodal_model
 from proctor.server.engines.torch_prefix import TorchPrefix, batch_cache, supports_prompt_cache
@@ -166,6 +167,8 @@ class TorchEngine(TeacherEngine):
             return RequestRejected(
                 f"{kinds[0]}[0]", f"this teacher is text-only; this request carries {', '.join(kinds)}"
             )
+        if not request.media and self._media is not None:  # a placeholder with its item lost
+            return check_counts(request, self._media.placeholders)
         return None
 
     def _prepare_media(self, batch: list[EngineRequest], outcomes: list[Outcome | None],

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import collections
 import logging
 from pathlib import Path
 
@@ -39,6 +40,7 @@ from proctor.server.engines.checkpoint import (
     model_facts,
 )
 from proctor.server.engines.logit_transforms import logit_transforms
+from proctor.server.engines.multimodal import check_counts
 from proctor.server.engines.score_ids import FROM_HIDDEN
 from proctor.server.engines.vllm_args import resolve_max_logprobs
 from proctor.server.engines.vllm_errors import classify_error
@@ -49,6 +51,8 @@ log = logging.getLogger(__name__)
 # How long the EngineCore may take to answer a health probe (a utility call that it answers
 # between two steps): a stopped or wedged core fails the health check within this bound.
 PROBE_TIMEOUT_S = 10.0
+# How many aborted request keys a replica remembers.
+ABORTED_KEPT = 1024
 
 
 class VllmFamilyEngine(TeacherEngine):
@@ -79,7 +83,9 @@ class VllmFamilyEngine(TeacherEngine):
         self._started = False
         self._closed = False
         self._running: dict[str, asyncio.Task] = {}
-        self.aborted: list[str] = []  # keys of requests aborted while computing (evidence for tests)
+        # Keys of the latest requests aborted while computing (evidence for tests), bounded: a
+        # long-running replica must not keep every key it ever aborted.
+        self.aborted: collections.deque[str] = collections.deque(maxlen=ABORTED_KEPT)
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -221,6 +227,10 @@ class VllmFamilyEngine(TeacherEngine):
             return RequestRejected(
                 kinds[0], f"the {self.engine_name} engine serves a text-only teacher; this request carries {', '.join(kinds)}"
             )
+        if not request.media and self.media_kinds:  # a placeholder with its item lost
+            problem = check_counts(request, self._media.placeholders)
+            if problem is not None:
+                return problem
         if self._info is not None and request.num_tokens > self._info.max_sequence_tokens:
             return RequestRejected(
                 "token_ids", f"{request.num_tokens} tokens exceed the {self._info.max_sequence_tokens} this teacher "
