@@ -123,22 +123,6 @@ def _rows_dicts(positions: Sequence[Any], ids: list[int], first_row: int, topk: 
     return lp, top_ids, top_lp
 
 
-def actual_ranks(prompt_logprobs: Any, token_ids: Sequence[int] | torch.Tensor, first_row: int) -> torch.Tensor | None:
-    """The actual token's rank (vLLM's, from the full logits) for rows first_row..T-1, int64 [R];
-    None when the engine's answer carries no ranks."""
-    if _is_flat(prompt_logprobs):
-        ranks = getattr(prompt_logprobs, "ranks", None)
-        if not ranks:
-            return None
-        picked = [ranks[start] for start in prompt_logprobs.start_indices[first_row:]]
-    else:
-        ids = _ids_array(token_ids).tolist()
-        picked = [getattr(prompt_logprobs[i].get(ids[i]), "rank", None) for i in range(first_row, len(ids))]
-    if any(rank is None for rank in picked):
-        return None
-    return torch.tensor(picked, dtype=torch.int64)
-
-
 def hidden_rows(states: torch.Tensor, total: int, first_row: int) -> torch.Tensor:
     """Rows first_row..T-1 from per-position hidden states [T, H] (row i comes from position i-1)."""
     if states.dim() != 2 or states.shape[0] != total:

@@ -43,8 +43,8 @@ SETTING_TO_ENGINE_ARG = {
     "seed": "seed",
 }
 
-# proctor's own keys in `engine_kwargs.<engine>` (never passed to vLLM; `score_ids_method` is read
-# by vLLM-Omni's engine).
+# proctor's own keys in `engine_kwargs.<engine>` (never passed to vLLM; the vLLM engine checks
+# `score_ids_method` at start).
 PROCTOR_ENGINE_KEYS = frozenset({"score_ids_method"})
 
 
