@@ -3,13 +3,15 @@
 The placement, the reuse of freed blocks and the frame format are checked on a real memfd
 mapped twice (as the front and the worker map it); the whole path through real replica
 worker processes is checked against the float64 reference, with every block the front read
-given back once its answer is sent.
+given back once its answer is sent. Freed pages above the warm part leave the memfd: its
+resident size (`st_blocks` of the shared object, and this process's `RssShmem`) is measured.
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import mmap
 import os
 
 import httpx
@@ -18,7 +20,7 @@ import torch
 
 from proctor.proto import decode_tensor, scoring_pb2
 from proctor.server.engines.host_protocol import ARENA_MIN_BYTES, frame, parse
-from proctor.server.engines.shared_arena import ArenaReader, ArenaWriter, create_arena
+from proctor.server.engines.shared_arena import ArenaReader, ArenaWriter, create_arena, punch_hole
 from proctor.server.engines.wire_result import EncodedResult, RawRows
 
 from support.reference import reference_rows
@@ -34,6 +36,20 @@ def _pair(size: int):
     writer = ArenaWriter(os.dup(fd))
     reader = ArenaReader(fd, writer.free)
     return writer, reader
+
+
+def _resident(fd: int) -> int:
+    """Bytes of the memfd backed by memory: the shared object's own pages, whoever mapped them."""
+    return os.fstat(fd).st_blocks * 512
+
+
+def _rss_shmem(pid: int | str = "self") -> int:
+    """RssShmem of a process in bytes: the shared-memory pages mapped into it."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("RssShmem:"):
+                return int(line.split()[1]) << 10
+    raise AssertionError("no RssShmem in /proc status")
 
 
 def _body(parts) -> memoryview:
@@ -87,6 +103,81 @@ def test_a_full_arena_sends_the_buffer_in_the_frame():
         assert reader.blocks_read == 1
 
     asyncio.run(run())
+
+
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize("method", ["madvise", "fallocate"])
+def test_freed_pages_above_the_warm_part_leave_the_memfd_and_later_blocks_read_back_right(method):
+    """A burst of 96 MiB freed: the memfd falls back to the warm 8 MiB (both release methods),
+    a block still held across the sweep keeps its bytes, and blocks placed in released space
+    afterwards (fresh zero pages) read back right through the front's views."""
+    async def run():
+        fd = create_arena(256 * MiB)
+        probe = os.dup(fd)  # st_blocks of the shared object, from outside the writer
+        writer = ArenaWriter(os.dup(fd), keep_bytes=8 * MiB, release_min_bytes=4 * MiB, release=method)
+        reader = ArenaReader(fd, writer.free)
+        assert writer.release_method == method
+        shmem_before = _rss_shmem()
+        blocks = [writer.place(memoryview(bytes([i % 251 + 1]) * (MiB - 100))) for i in range(96)]
+        held = blocks[60]  # not page-aligned: its first and last pages are shared with free neighbours
+        assert held % mmap.PAGESIZE != 0
+        burst = _resident(probe)
+        assert burst >= 95 * MiB and _rss_shmem() - shmem_before >= 90 * MiB
+        writer.free([b for b in blocks if b != held])
+        assert writer.sweeps == 1  # one sweep for the whole batch of frees
+        assert _resident(probe) <= 8 * MiB + 2 * MiB  # the warm part, and the held block's pages
+        assert _rss_shmem() - shmem_before <= 12 * MiB
+        assert bytes(reader.view(held, MiB - 100)) == bytes([60 % 251 + 1]) * (MiB - 100)
+        writer.free([held])  # the arena is empty: everything above the warm part goes
+        assert _resident(probe) <= 8 * MiB
+        again = [bytes(range(i, i + 200)) * (5243 + i) for i in range(40)]  # ~1 MiB each, into released space
+        offsets = [writer.place(memoryview(data)) for data in again]
+        assert max(offsets) > 30 * MiB
+        views = [reader.view(offset, len(data)) for offset, data in zip(offsets, again, strict=True)]
+        assert all(bytes(v) == data for v, data in zip(views, again, strict=True))
+        del views
+        gc.collect()
+        await asyncio.sleep(0)
+        assert writer.used_bytes == 0 and _resident(probe) <= 8 * MiB
+        writer.close()
+        os.close(probe)
+
+    asyncio.run(run())
+
+
+def test_small_frees_wait_for_a_sweep_and_release_off_keeps_every_page():
+    """Releasing is batched: a small block freed above the warm part while others are in use
+    costs no sweep; and with releasing off (the control) the pages stay, so the figures above
+    measure the release and not something else."""
+    fd = create_arena(64 * MiB)
+    probe = os.dup(fd)
+    writer = ArenaWriter(fd, keep_bytes=MiB, release_min_bytes=8 * MiB)
+    blocks = [writer.place(memoryview(bytes(256 << 10))) for _ in range(64)]  # 16 MiB
+    writer.free(blocks[10:14])  # 1 MiB above the warm part
+    assert writer.sweeps == 0 and _resident(probe) >= 16 * MiB
+    writer.free(blocks[14:50])  # 10 MiB pending: one sweep
+    assert writer.sweeps == 1 and _resident(probe) == 6 * MiB  # blocks 10..49 (2.5-12.5 MiB) went
+    os.close(probe)
+
+    fd = create_arena(64 * MiB)
+    probe = os.dup(fd)
+    kept = ArenaWriter(fd, keep_bytes=MiB, release_min_bytes=MiB, release="off")
+    kept.free([kept.place(memoryview(bytes(MiB))) for _ in range(32)])
+    assert kept.sweeps == 0 and _resident(probe) >= 32 * MiB
+    os.close(probe)
+
+
+def test_punch_hole_frees_pages_of_a_memfd_and_they_read_back_as_zeros():
+    fd = create_arena(8 * MiB)
+    with mmap.mmap(fd, 8 * MiB) as mapping:
+        mapping[:] = b"\xff" * (8 * MiB)
+        assert _resident(fd) == 8 * MiB
+        punch_hole(fd, 2 * MiB, 4 * MiB)
+        assert _resident(fd) == 4 * MiB and os.fstat(fd).st_size == 8 * MiB
+        assert mapping[2 * MiB : 6 * MiB] == bytes(4 * MiB) and mapping[6 * MiB] == 0xFF
+    os.close(fd)
 
 
 def test_a_frame_naming_the_arena_needs_one():
