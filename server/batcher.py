@@ -9,7 +9,9 @@ engine (`TeacherEngine.abort`), so a caller that gives up (or whose deadline pas
 costing compute there too.
 
 The engine answers one outcome per request: a result, or an exception for that request alone
-(a request error, an abort, or a replica error that hit it); each caller gets its own.
+(a request error, an abort, a server fault of that request, or a replica error that hit it);
+each caller gets its own. A batch the engine raises on is split until the request at fault
+stands alone (`batch_isolation`), so its batch-mates are answered.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from proctor.server.engines.base import EngineError, EngineRequest, EngineResult, TeacherEngine
+from proctor.server.batch_isolation import score_isolating
+from proctor.server.engines.base import EngineRequest, EngineResult, TeacherEngine
 from proctor.server.metrics import NULL_SINK, MetricsSink
 
 log = logging.getLogger(__name__)
@@ -127,17 +130,18 @@ class Batcher:
         self.running_requests = len(batch)
         self._running = {p.request.key for p in batch}
         started = time.monotonic()
+        waiting = {p.request.key: p.future for p in batch}
         try:
-            results = await self.engine.score([p.request for p in batch])
-            if len(results) != len(batch):
-                raise EngineError(f"engine answered {len(results)} outcomes for a batch of {len(batch)}")
+            results = await score_isolating(
+                self.engine, [p.request for p in batch], lambda request: not waiting[request.key].done()
+            )
         except asyncio.CancelledError:
             for pending in batch:
                 if not pending.future.done():
                     pending.future.cancel()
             raise
-        except Exception as exc:  # the engine failed the whole batch: every caller hears why
-            log.warning("engine failed a batch of %d: %s", len(batch), exc)
+        except Exception as exc:  # the replica failed (`EngineError`): every caller hears why
+            log.warning("replica failed a batch of %d: %s", len(batch), exc)
             for pending in batch:
                 if not pending.future.done():
                     pending.future.set_exception(exc)

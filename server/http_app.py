@@ -351,7 +351,7 @@ def create_app(
     )
     async def unembedding(teacher_key: str = "") -> Response:
         try:
-            weight, fingerprint = service.unembedding(teacher_key)
+            weight, fingerprint = await service.unembedding(teacher_key)
         except ScoringError as error:
             return error_response(error)
         return StreamingResponse(

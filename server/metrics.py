@@ -46,6 +46,12 @@ class MetricsSink:
         """A request that prompt reuse applied to was scored: `tokens` of its prompt were not
         recomputed (0: a miss, its prompt was computed)."""
 
+    def request_fault(self, teacher: str, replica: str) -> None:
+        """A request failed on this replica alone (a server fault of that request, `RequestFailed`)."""
+
+    def poison_request(self, teacher: str) -> None:
+        """A request failed on two replicas and was failed without a third try."""
+
 
 NULL_SINK = MetricsSink()
 
@@ -83,6 +89,12 @@ class Metrics(MetricsSink):
                                         ["teacher", "replica"], registry=r)
         self.replica_results = Counter("proctor:replica_scored_requests", "Results delivered by each replica.",
                                       ["teacher", "replica"], registry=r)
+        self.request_faults = Counter("proctor:request_faults",
+                                      "Requests that failed on a replica alone (a server fault of that request).",
+                                      ["teacher", "replica"], registry=r)
+        self.poison_requests = Counter("proctor:poison_requests",
+                                       "Requests that failed on two replicas and were not tried on a third.",
+                                       ["teacher"], registry=r)
         self.teacher_swaps = Counter("proctor:teacher_swaps", "Teacher weights swapped onto devices.",
                                      ["teacher"], registry=r)
         self.prompt_reuse_tokens = Counter("proctor:prompt_reuse_tokens",
@@ -107,8 +119,9 @@ class Metrics(MetricsSink):
     # -- the sink --------------------------------------------------------------------------
     def replica_state(self, teacher: str, replica: str, healthy: bool) -> None:
         self._series(self.replica_healthy, teacher, replica).set(1.0 if healthy else 0.0)
-        for counter in (self.replica_failures, self.replica_restarts, self.replica_results):
+        for counter in (self.replica_failures, self.replica_restarts, self.replica_results, self.request_faults):
             self._series(counter, teacher, replica)  # every replica's series exists from its first state
+        self._series(self.poison_requests, teacher)
 
     def replica_failed(self, teacher: str, replica: str) -> None:
         self._series(self.replica_failures, teacher, replica).inc()
@@ -127,6 +140,12 @@ class Metrics(MetricsSink):
 
     def teacher_swapped(self, teacher: str) -> None:
         self._series(self.teacher_swaps, teacher).inc()
+
+    def request_fault(self, teacher: str, replica: str) -> None:
+        self._series(self.request_faults, teacher, replica).inc()
+
+    def poison_request(self, teacher: str) -> None:
+        self._series(self.poison_requests, teacher).inc()
 
     def prompt_reused(self, teacher: str, tokens: int) -> None:
         self._series(self.prompt_reuse_hits if tokens > 0 else self.prompt_reuse_misses, teacher).inc()

@@ -233,6 +233,14 @@ class RayEngine(TeacherEngine):
             self._unembedding = ray.get(self.actor.unembedding.remote())
         return self._unembedding
 
+    async def fetch_unembedding(self) -> torch.Tensor:
+        """From the actor's engine, awaited (not `ray.get` on the front's loop), once."""
+        if self._unembedding is None:
+            if self.actor is None:
+                raise EngineError("engine not started")
+            self._unembedding = await self._call(self.actor.unembedding.remote())
+        return self._unembedding
+
     async def score(self, batch: list[EngineRequest]) -> list[Outcome]:
         if self.actor is None:
             raise EngineError("Ray actor is not running")

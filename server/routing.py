@@ -1,11 +1,15 @@
 """Routing: a key picks a teacher, the teacher picks a replica by least outstanding work.
 
-Two kinds of error (`server/engines/base.py`): a request error (`RequestRejected`: bad media,
+Three kinds of error (`server/engines/base.py`): a request error (`RequestRejected`: bad media,
 too long for the engine, a processor's refusal) is that request's INVALID_ARGUMENT and never
-touches the replica; anything else an engine raises on a validated request is a replica error.
-Scoring is idempotent, so a request whose replica fails is simply scored again on another
-one; the failed replica leaves the rotation, is restarted with exponential backoff in the
-background, and rejoins once it has started and passed its health check. A teacher with no
+touches the replica; a request fault (`RequestFailed`: the engine raised on that request alone,
+found by splitting its batch, `batch_isolation`) is retried once on another replica and takes
+its replica out only when the replica is found unwell; a replica error (`EngineError`: its
+process died, its engine is dead) takes the replica out. Scoring is idempotent, so a request
+whose replica fails is simply scored again on another one, once (`replica_faults`: failing
+twice, it is a poison request); the failed replica leaves the rotation, is restarted with
+exponential backoff in the background, and rejoins once it has started and passed its health
+check. A teacher with no
 healthy replica answers UNAVAILABLE with a retry hint rather than queueing forever.
 
 "In flight" includes the requests still waiting in the failed replica's batcher: closing
@@ -34,12 +38,15 @@ from proctor.server.engines.base import (
     EngineRequest,
     EngineResult,
     RequestAborted,
+    RequestFailed,
     RequestRejected,
     TeacherEngine,
+    describe_fault,
 )
 from proctor.server.errors import NOT_READY_RETRY_S, Code, ScoringError
 from proctor.server.metrics import NULL_SINK, MetricsSink
 from proctor.server.prompt_reuse import PromptAffinity, ReuseSettings
+from proctor.server.replica_faults import RETRIES_AFTER_FAULT, StrikeRecord
 
 log = logging.getLogger(__name__)
 
@@ -85,10 +92,18 @@ class Replica:
     # Set by the replica set that holds it: the teacher it serves and where it reports events.
     teacher: str = ""
     sink: MetricsSink = field(default=NULL_SINK, repr=False)
+    # Requests that failed here and were answered by another replica (`replica_faults`).
+    strikes: StrikeRecord = field(default_factory=StrikeRecord, repr=False)
+    probe: asyncio.Task | None = field(default=None, repr=False)  # the health probe after a fault
     _restart_task: asyncio.Task | None = field(default=None, repr=False)
     # Bumped whenever the replica is taken down, so a waiter can tell "my replica went away"
     # from "my caller cancelled me".
     _generation: int = field(default=0, repr=False)
+
+    @property
+    def generation(self) -> int:
+        """Bumped each time the replica is taken down (a probe of an older life is stale)."""
+        return self._generation
 
     @property
     def load(self) -> int:
@@ -260,13 +275,17 @@ class ReplicaSet:
         return best
 
     async def score(self, request: EngineRequest) -> EngineResult:
-        """Score on a healthy replica; a replica failure moves the request to another one."""
+        """Score on a healthy replica; a failure moves the request to another one, once
+        (`replica_faults`: a request failing on two replicas is a poison request)."""
         tried: set[str] = set()
         last_error: Exception | None = None
+        faults: list[tuple[Replica, Exception]] = []  # attempts that failed on a replica
         prompt = self.affinity.key(request) if self.affinity is not None else None
         while True:
             replica = self.pick(tried, self.affinity.replica_of(prompt) if prompt is not None else None)
             if replica is None:
+                if faults and isinstance(faults[-1][1], RequestFailed):
+                    raise ScoringError(Code.INTERNAL, f"teacher {self.name!r}: {faults[-1][1].cause}")
                 if last_error is not None:
                     raise ScoringError(
                         Code.UNAVAILABLE,
@@ -289,14 +308,59 @@ class ReplicaSet:
                 raise ScoringError(Code.INVALID_ARGUMENT, exc.message, field=exc.field) from None
             except RequestAborted as exc:
                 raise ScoringError(Code.CANCELLED, f"aborted in the engine: {exc}") from None
-            except ReplicaLost as exc:  # taken down under us: not its fault, nothing to mark
+            except ReplicaLost as exc:  # taken down under us before it ran: nothing to mark
                 last_error = exc
+                continue
+            except RequestFailed as exc:  # this request's fault, or the replica's: not known yet
+                last_error = exc
+                faults.append((replica, exc))
+                replica.sink.request_fault(self.name, replica.replica_id)
+                self._probe(replica)
             except Exception as exc:
                 last_error = exc
+                faults.append((replica, exc))
                 self.mark_failed(replica, exc)
             else:
                 self.recent_batch_s += 0.1 * (result.engine_seconds - self.recent_batch_s)
+                for failed, fault in faults:  # answered here: the request was fine, that replica not
+                    if isinstance(fault, RequestFailed):
+                        self._strike(failed, request)
                 return result
+            if len(faults) > RETRIES_AFTER_FAULT:
+                raise self._poison(faults)
+
+    def _poison(self, faults: list[tuple[Replica, Exception]]) -> ScoringError:
+        """A request that failed on two replicas: counted, failed with both causes, not tried again."""
+        self.sink.poison_request(self.name)
+        where = " and ".join(replica.replica_id for replica, _ in faults)
+        causes = "; ".join(dict.fromkeys(describe_fault(fault) for _, fault in faults))
+        log.error("teacher %s: a poison request failed on replicas %s: %s", self.name, where, causes)
+        return ScoringError(
+            Code.INTERNAL,
+            f"teacher {self.name!r}: this request failed on replicas {where} and is not tried again: {causes}",
+        )
+
+    def _strike(self, replica: Replica, request: EngineRequest) -> None:
+        """A request that failed on `replica` was answered by another one: evidence against it."""
+        if replica.strikes.add(request.key) and replica.state is ReplicaState.HEALTHY:
+            self.mark_failed(replica, RuntimeError(
+                f"{len(replica.strikes)} requests failed on it within {replica.strikes.window_s:.0f} s "
+                "that other replicas answered"))
+
+    def _probe(self, replica: Replica) -> None:
+        """After a request fault: the replica's health probe, in the background (one at a time)."""
+        if replica.probe is not None and not replica.probe.done():
+            return
+        generation = replica.generation
+
+        async def probe() -> None:
+            ok = False
+            with contextlib.suppress(Exception):
+                ok = replica.engine is not None and await replica.engine.check_health()
+            if not ok and replica.generation == generation and replica.state is ReplicaState.HEALTHY:
+                self.mark_failed(replica, RuntimeError("health probe failed after a request fault"))
+
+        replica.probe = asyncio.get_running_loop().create_task(probe(), name=f"proctor-probe-{replica.replica_id}")
 
     def retry_hint(self, admitted_tokens: int = 0) -> float:
         """The one retry hint (seconds) for a refused request of this teacher.
@@ -319,6 +383,7 @@ class ReplicaSet:
             return
         log.warning("teacher %s replica %s failed: %s; restarting", self.name, replica.replica_id, error)
         replica.failures += 1
+        replica.strikes.clear()
         self.sink.replica_failed(self.name, replica.replica_id)
         replica.state = ReplicaState.UNHEALTHY
         self._notify(replica)

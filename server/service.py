@@ -216,14 +216,14 @@ class ScoringService:
             )
         return infos
 
-    def unembedding(self, teacher_key: str) -> tuple[torch.Tensor, str]:
-        """The teacher's lm_head [V, H] and its fingerprint."""
+    async def unembedding(self, teacher_key: str) -> tuple[torch.Tensor, str]:
+        """The teacher's output embedding [V, H] and its fingerprint, fetched off the loop."""
         self._check_serving()
         teacher = self.router.route(teacher_key)
         replica = next((r for r in teacher.healthy() if r.engine is not None), None)
         if replica is None:
             raise ScoringError(Code.UNAVAILABLE, f"teacher {teacher.name!r} has no healthy replica",
                                retry_after=teacher.retry_hint())
-        return replica.engine.unembedding(), teacher.info.fingerprint
+        return await replica.engine.fetch_unembedding(), teacher.info.fingerprint
 
 

@@ -72,7 +72,8 @@ def make_tiny_model(
 ) -> Path:
     """Write a tiny causal LM (config, safetensors weights, tokenizer) to out_dir: a Qwen2, or
     with `family` one whose logits are not lm_head(h) alone (`FAMILIES`: Gemma-2's final soft-cap,
-    Granite's logit scaling), for checking that engines score with the model's own logits."""
+    Granite's logit scaling), for checking that engines score with the model's own logits, or a
+    GPT-2 (another architecture's names for its weights)."""
     from transformers import AutoModelForCausalLM
 
     if family not in FAMILIES:
@@ -81,7 +82,7 @@ def make_tiny_model(
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(vocab_size)
     config_class, extra = _family_config(family)
-    tie_word_embeddings = tie_word_embeddings or family == "gemma2"
+    tie_word_embeddings = tie_word_embeddings or family in ("gemma2", "gpt2")
     config = config_class(
         **extra,
         vocab_size=vocab_size,
@@ -115,8 +116,9 @@ def make_tiny_model(
     return out
 
 
-# Tiny model families: the default, and two whose final logits are transformed.
-FAMILIES = ("qwen2", "gemma2", "granite")
+# Tiny model families: the default, two whose final logits are transformed, and GPT-2 (its output
+# embedding is `lm_head` tied to `transformer.wte`: the checkpoint holds only the latter).
+FAMILIES = ("qwen2", "gemma2", "granite", "gpt2")
 
 
 def _family_config(family: str):
@@ -127,6 +129,8 @@ def _family_config(family: str):
         # its head is the embeddings, as in every Gemma-2 checkpoint (vLLM's Gemma2 has no lm_head of its own)
         return transformers.Gemma2Config, {"final_logit_softcapping": 5.0, "attn_logit_softcapping": None,
                                            "head_dim": 32, "query_pre_attn_scalar": 32, "sliding_window": 4096}
+    if family == "gpt2":  # its own names for the sizes (hidden_size etc. are aliases it maps)
+        return transformers.GPT2Config, {"n_inner": None, "activation_function": "gelu_new"}
     if family == "granite":  # the logits divided by 8, as Granite 3 checkpoints divide theirs (8 or 16)
         return transformers.GraniteConfig, {"logits_scaling": 8.0}
     return transformers.Qwen2Config, {}

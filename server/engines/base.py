@@ -12,6 +12,7 @@ token i given tokens 0..i-1, rows `first_row..T-1` are returned.
 from __future__ import annotations
 
 import abc
+import asyncio
 import itertools
 import uuid
 from dataclasses import dataclass, field
@@ -143,9 +144,10 @@ class EngineInfo:
 
 
 class EngineError(RuntimeError):
-    """A *replica* error: the engine failed on good input (its process died, it raised on a
-    request that passed validation, it stopped answering). The replica is marked failed and
-    restarted; the request is retried on another replica."""
+    """A *replica* error: the replica itself is unwell (its process died, its engine says it is
+    dead, it stopped answering). The replica is marked failed and restarted; the request is
+    retried on another replica (once: `server.replica_faults`). An engine that merely raised
+    on a batch is not this (`BatchFailed`)."""
 
 
 class RequestRejected(Exception):
@@ -176,10 +178,68 @@ class RequestAborted(Exception):
     """The request was aborted inside the engine (its caller cancelled or its deadline passed)."""
 
 
+class RequestFailed(Exception):
+    """A *server-side* fault that hit this one request: the engine raised on it alone (its
+    forward, a processor, proctor's own code), its process alive and its batch-mates answered.
+
+    It becomes INTERNAL naming `cause` unless another replica answers the request (routing
+    retries it once there, `server.replica_faults`); it takes the replica out of rotation only
+    when the replica is found unwell (its health probe fails, or requests that other replicas
+    answer keep failing on it), never for one request.
+    """
+
+    def __init__(self, cause: str, *, out_of_memory: bool = False) -> None:
+        super().__init__(cause)
+        self.cause = cause
+        self.out_of_memory = out_of_memory
+
+    def __reduce__(self):  # crosses the engine-host socket intact
+        return (_rebuild_failed, (self.cause, self.out_of_memory))
+
+
+def _rebuild_failed(cause: str, out_of_memory: bool) -> RequestFailed:
+    return RequestFailed(cause, out_of_memory=out_of_memory)
+
+
+class BatchFailed(Exception):
+    """The engine raised while scoring a whole batch, its process alive: which request is at
+    fault (or whether the batch was merely too large: `out_of_memory`) is not known until the
+    batch is split (`server.batch_isolation`). An engine host reports an exception of its
+    engine's batch as this; any exception but `EngineError` an engine raises counts as one."""
+
+    def __init__(self, cause: str, *, out_of_memory: bool = False) -> None:
+        super().__init__(cause)
+        self.cause = cause
+        self.out_of_memory = out_of_memory
+
+
+# Exception types (by name: torch's, its device plugins') that say "the device ran out of memory".
+_OUT_OF_MEMORY_TYPES = ("OutOfMemoryError",)
+_OUT_OF_MEMORY_TEXT = ("out of memory", "NPU out of memory")
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether `exc` is a device (or host) out-of-memory: torch's `OutOfMemoryError` (CUDA),
+    `MemoryError`, or a RuntimeError whose text says so (Ascend's torch_npu raises those)."""
+    if isinstance(exc, BatchFailed | RequestFailed):
+        return exc.out_of_memory
+    if isinstance(exc, MemoryError) or any(cls.__name__ in _OUT_OF_MEMORY_TYPES for cls in type(exc).__mro__):
+        return True
+    return isinstance(exc, RuntimeError) and any(text in str(exc) for text in _OUT_OF_MEMORY_TEXT)
+
+
+def describe_fault(exc: BaseException) -> str:
+    """One line naming an exception and its cause, for a request's INTERNAL message."""
+    if isinstance(exc, BatchFailed | RequestFailed):
+        return exc.cause
+    detail = f"{type(exc).__name__}: {exc}"
+    return detail + (f" (caused by {type(exc.__cause__).__name__}: {exc.__cause__})" if exc.__cause__ else "")
+
+
 # What an engine answers for one request of a batch: its result, a request error, an abort,
-# or (a replica error that hit this request only, e.g. the engine died before it finished
-# while others of the batch had finished) an EngineError.
-Outcome = Union["EngineResult", RequestRejected, RequestAborted, EngineError]
+# a server-side fault of this request alone, or (a replica error that hit this request only,
+# e.g. the engine died before it finished while others of the batch had finished) an EngineError.
+Outcome = Union["EngineResult", RequestRejected, RequestAborted, RequestFailed, EngineError]
 
 
 class TeacherEngine(abc.ABC):
@@ -194,10 +254,12 @@ class TeacherEngine(abc.ABC):
         """Score every request of the batch; one outcome per request, in the same order.
 
         An outcome is the request's `EngineResult`, a `RequestRejected` (that request's input
-        is at fault), a `RequestAborted` (aborted through `abort`) or an `EngineError` (the
-        replica failed before this request finished; requests that did finish keep their
-        results, so nothing is computed twice). Raising means the whole batch failed:
-        `EngineError` (or any other exception) is a replica error.
+        is at fault), a `RequestAborted` (aborted through `abort`), a `RequestFailed` (a
+        server-side fault of this request alone) or an `EngineError` (the replica failed
+        before this request finished; requests that did finish keep their results, so nothing
+        is computed twice). Raising `EngineError` says the replica failed; raising anything
+        else says the batch failed, and the batcher splits it to find the request at fault
+        (`server.batch_isolation`).
         """
 
     async def abort(self, request_keys: list[str]) -> None:  # noqa: B027  (optional hook)
@@ -208,7 +270,13 @@ class TeacherEngine(abc.ABC):
 
     @abc.abstractmethod
     def unembedding(self) -> torch.Tensor:
-        """The teacher's lm_head weight [V, H] (for full-vocabulary losses)."""
+        """The teacher's output embedding [V, H] (for full-vocabulary losses): the model's own
+        (`get_output_embeddings()`), whatever its architecture calls it."""
+
+    async def fetch_unembedding(self) -> torch.Tensor:
+        """`unembedding()` without blocking the caller's event loop: in a thread here (it may
+        read the checkpoint); from the worker where the weights live (replica workers, actors)."""
+        return await asyncio.to_thread(self.unembedding)
 
     def token_budget(self) -> int:
         """Most tokens the engine wants in one batch (the service's batcher respects it)."""

@@ -102,6 +102,44 @@ def _weight_index(root: Path) -> dict[str, Path]:
     return found
 
 
+@lru_cache(maxsize=32)
+def own_output_embedding_names(model_path: str) -> tuple[str, ...]:
+    """The checkpoint names the model's own output embedding goes by, whatever its architecture.
+
+    The model is built from its config on the meta device (no weights, no memory), asked for
+    `get_output_embeddings()`, and every name of that weight is listed: `lm_head.weight`, a tied
+    head's input embedding (GPT-2's `transformer.wte.weight`, NeoX's `embed_out.weight`, ...),
+    and each without the base model's prefix, as older checkpoints store them. Empty when
+    transformers cannot build the model (custom code): the fixed names are then tried.
+    """
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(model_path, local_files_only=True)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        head = model.get_output_embeddings()
+    except Exception as exc:  # an architecture transformers cannot build here
+        log.info("%s: no output embedding from transformers (%s); trying the usual names", model_path, exc)
+        return ()
+    if head is None or getattr(head, "weight", None) is None:
+        return ()
+    weights = [head.weight]
+    inputs = model.get_input_embeddings()
+    if _tied(config) and inputs is not None:  # the checkpoint may hold the head as the embeddings
+        weights.append(inputs.weight)
+    names = [name for weight in weights
+             for name, param in model.named_parameters(remove_duplicate=False) if param is weight]
+    prefix = f"{model.base_model_prefix}." if getattr(model, "base_model_prefix", "") else ""
+    names += [name.removeprefix(prefix) for name in names if prefix and name.startswith(prefix)]
+    return tuple(dict.fromkeys(names))
+
+
+def _tied(config: Any) -> bool:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return bool(getattr(text, "tie_word_embeddings", getattr(config, "tie_word_embeddings", False)))
+
+
 def load_unembedding(
     model_path: str | Path,
     *,
@@ -110,25 +148,26 @@ def load_unembedding(
                                   "thinker.model.embed_tokens.weight"),
     vocab_size: int | None = None,
 ) -> torch.Tensor:
-    """The lm_head weight [V, H] read from the checkpoint's safetensors (tied: the embeddings).
+    """The output embedding [V, H] read from the checkpoint's safetensors.
 
-    Read from disk, not from the engine: vLLM's weights live in its engine-core processes.
-    Rows past `vocab_size` (padding some checkpoints carry) are cut.
+    Read from disk, not from the engine: vLLM's weights live in its engine-core processes. The
+    names are the model's own (`own_output_embedding_names`), then the usual ones of the text,
+    VL and Omni checkpoints proctor serves (`head_names`, then tied `embed_names`). Rows past
+    `vocab_size` (padding some checkpoints carry) are cut.
     """
     from safetensors import safe_open
 
     root = Path(model_path)
     index = _weight_index(root)
-    for name in (*head_names, *embed_names):
+    names = (*own_output_embedding_names(str(root)), *head_names, *embed_names)
+    for name in dict.fromkeys(names):
         if name in index:
             with safe_open(str(index[name]), framework="pt") as handle:
                 weight = handle.get_tensor(name)
             if vocab_size is not None:
                 weight = weight[:vocab_size]
             return weight.contiguous()
-    raise EngineError(
-        f"no unembedding in {root}: none of {', '.join((*head_names, *embed_names))} in its safetensors"
-    )
+    raise EngineError(f"no unembedding in {root}: none of {', '.join(dict.fromkeys(names))} in its safetensors")
 
 
 @lru_cache(maxsize=32)

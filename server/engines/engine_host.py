@@ -22,6 +22,7 @@ import socket
 import sys
 from typing import Any
 
+from proctor.server.engines.base import EngineError, describe_fault, is_out_of_memory
 from proctor.server.engines.host_protocol import Channel
 from proctor.server.engines.wire_result import encode_outcomes
 
@@ -78,6 +79,8 @@ class EngineHost:
             self._spawn(self._reply(message[1], self._score(message[2])))
         elif kind == "health":
             self._spawn(self._reply(message[1], self.engine.check_health()))
+        elif kind == "unembedding":  # the model's own output embedding, read off this loop
+            self._spawn(self._reply(message[1], asyncio.to_thread(self.engine.unembedding)))
         else:
             log.error("unknown message %r from the server", kind)
 
@@ -90,12 +93,19 @@ class EngineHost:
         task.add_done_callback(self._tasks.discard)
 
     async def _reply(self, call: int, coro) -> None:
+        """Answer a call: its value; "failed" when the engine says the replica is unwell
+        (`EngineError`); "raised" when it raised anything else (the batch's fault, or one of its
+        requests': the front splits the batch to find which), with its traceback logged here."""
         try:
             value = await coro
         except asyncio.CancelledError:
             raise
-        except Exception as exc:
+        except EngineError as exc:
             await self._send(("failed", call, f"{type(exc).__name__}: {exc}"))
+            return
+        except Exception as exc:
+            log.exception("the engine raised on call %d", call)
+            await self._send(("raised", call, describe_fault(exc), is_out_of_memory(exc)))
             return
         await self._send(("reply", call, value))
 

@@ -15,10 +15,12 @@ and shape: torch's own pickling goes through `torch.save` and costs tens of µs 
 front's event loop. Messages are tuples whose first item names them:
 
 front → worker: ("start", spec, build) · ("score", call, batch) · ("abort", keys) · ("health", call) ·
-                ("free", offsets) · ("close",)   (build: the engine factory, None for `create_engine`;
-                offsets: blocks of the shared arena the front is done with)
+                ("unembedding", call) · ("free", offsets) · ("close",)   (build: the engine
+                factory, None for `create_engine`; offsets: blocks of the shared arena the front
+                is done with)
 worker → front: ("ready", info, token_budget) · ("start_failed", message) ·
-                ("reply", call, value) · ("failed", call, message)
+                ("reply", call, value) · ("failed", call, message) (the replica is unwell) ·
+                ("raised", call, cause, out_of_memory) (the engine raised on this call)
 """
 
 from __future__ import annotations

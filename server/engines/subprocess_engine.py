@@ -12,7 +12,8 @@ blocks the event loop, and killing a replica means killing its worker's whole pr
 (EngineCore included, also when it is stopped or wedged).
 
 Faults are the host's or its engine's: the host exiting (killed, crashed) fails every call in
-flight with `EngineError` at once; a host or engine that stops answering fails its health
+flight with `EngineError` at once; an engine that raises on a batch, its process alive, fails
+that call with `BatchFailed` (the batcher then isolates the request at fault); a host or engine that stops answering fails its health
 check after `health_timeout_s`; a start that does not finish within the spec's
 `startup_timeout_s` is killed and fails with the last lines of its output.
 """
@@ -33,9 +34,9 @@ from typing import Any
 
 import torch
 
-from proctor.proto import torch_dtype
 from proctor.server.engines.base import (
     DEFAULT_TOKEN_BUDGET,
+    BatchFailed,
     EngineError,
     EngineInfo,
     EngineRequest,
@@ -43,7 +44,6 @@ from proctor.server.engines.base import (
     Outcome,
     TeacherEngine,
 )
-from proctor.server.engines.checkpoint import load_unembedding
 from proctor.server.engines.host_protocol import Channel
 from proctor.server.engines.shared_arena import create_arena
 from proctor.server.pool import VISIBLE_DEVICES_ENV
@@ -229,6 +229,8 @@ class SubprocessEngine(TeacherEngine):
                 return
             if kind == "reply":
                 future.set_result(message[2])
+            elif kind == "raised":  # the engine raised on this call, its process alive
+                future.set_exception(BatchFailed(f"{self.name}: {message[2]}", out_of_memory=message[3]))
             else:
                 future.set_exception(EngineError(f"{self.name}: {message[2]}"))
 
@@ -285,20 +287,16 @@ class SubprocessEngine(TeacherEngine):
         return healthy
 
     def unembedding(self) -> torch.Tensor:
-        """Read here from the checkpoint (the weights live in the worker, and vLLM's in its
-        EngineCore): vLLM engines know where to look unstarted; the torch engine's is the
-        checkpoint's `lm_head` (or tied embeddings) in the dtype it serves."""
+        """The weights live in the worker: `fetch_unembedding` asks it; this is what it got."""
         if self._unembedding is None:
-            from proctor.server.engines import create_engine
-            from proctor.server.engines.base import serving_dtype
+            raise EngineError(f"{self.name}: the unembedding was not fetched from the worker yet")
+        return self._unembedding
 
-            spec = host_spec(self.spec)
-            if spec.name == "torch":
-                weight = load_unembedding(spec.model_path)
-                dtype = self._info.dtype if self._info is not None else serving_dtype(spec.dtype, weight.dtype)
-                weight = weight.to(torch_dtype(dtype))
-            else:
-                weight = create_engine(spec).unembedding()
+    async def fetch_unembedding(self) -> torch.Tensor:
+        """From the worker's engine (the torch model's own output embedding; vLLM's from its
+        checkpoint), once; cut to the vocabulary the teacher serves."""
+        if self._unembedding is None:
+            weight = await self._call("unembedding")
             if self._info is not None:
                 weight = weight[: self._info.vocab_size].contiguous()
             self._unembedding = weight
