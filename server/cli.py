@@ -41,6 +41,19 @@ def _parse_settings(items: list[str]) -> dict:
     return settings
 
 
+def _refuse_unsupported_versions(engines: list[str]) -> None:
+    """Exit 1 with one line on stderr (installed and supported release, what to install) when a
+    component the engines need is outside the supported-version table (pyproject.toml), rather
+    than fail later inside a replica with a third-party traceback."""
+    from proctor.server.versions import UnsupportedVersion, check_engines
+
+    try:
+        check_engines(engines)
+    except UnsupportedVersion as exc:
+        typer.echo(f"proctor: cannot serve: {exc}", err=True)
+        raise typer.Exit(1) from None
+
+
 @app.command()
 def serve(
     model: Path | None = typer.Option(None, help="Local Hugging Face model directory (default: the built-in tiny teacher)."),
@@ -70,6 +83,14 @@ def serve(
     ),
 ) -> None:
     """Serve a teacher over gRPC and HTTP until SIGTERM (then drain and exit 0)."""
+    plan = None
+    if config is not None:
+        from proctor.server.config import load_plan
+
+        plan = load_plan(config)
+    # Before anything is built or imported for the engines: their components' releases.
+    _refuse_unsupported_versions([engine] if plan is None else [t.spec.name for t in plan.teachers.values()])
+
     from proctor.server.auth import load_token
     from proctor.server.config import single_teacher_router
     from proctor.server.engines import EngineError, EngineSpec
@@ -79,10 +100,10 @@ def serve(
     from proctor.server.tiny_model import ensure_default_model
 
     _logging(verbose)
-    if config is not None:
-        from proctor.server.config import load_server_config
+    if plan is not None:
+        from proctor.server.config import build_router, server_options
 
-        router, options = load_server_config(config, host=host)
+        router, options = build_router(plan), server_options(plan, host=host)
         # Flags given on the command line win over the config file's server block.
         if grpc_port is not None:
             options.grpc_port = grpc_port

@@ -8,11 +8,13 @@ another's, hidden states, score_ids and temperature on the cached path.
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
 from proctor.server.engines import EngineSpec, create_engine
-from proctor.server.engines.torch_prefix import TorchPrefix
+from proctor.server.engines.torch_prefix import TorchPrefix, reuse_works
 from proctor.server.prompt_reuse import PromptCache, ReuseSettingError, ReuseSettings
 
 from support.groups import assert_exact, interleaved, make_groups, request_of
@@ -149,3 +151,87 @@ def test_the_config_schema_declares_the_settings():
     assert ReuseSettings.from_inference(InferenceConfig().model_dump()) == ReuseSettings()
     with pytest.raises(ValidationError, match="prompt_reuse_min_tokens"):
         InferenceConfig(prompt_reuse_min_tokens=0)
+
+
+# -- the start-time probe of transformers' cache internals ----------------------------------------
+# The reuse path builds on `DynamicCache(ddp_cache_data=...)`, a two-argument
+# `DynamicLayer.lazy_initialization` and `Cache(layer_class_to_replicate=...)`. Each fake below makes
+# one of them behave as another transformers release would; only transformers is faked.
+
+
+def _refuses_ddp_cache_data(monkeypatch):
+    """Releases whose DynamicCache took its layers as `_distributed_cache_data`."""
+    from transformers import cache_utils
+
+    real = cache_utils.DynamicCache
+
+    class OlderDynamicCache(real):
+        def __init__(self, _distributed_cache_data=None, **kwargs):
+            if "ddp_cache_data" in kwargs:
+                raise TypeError("DynamicCache.__init__() got an unexpected keyword argument 'ddp_cache_data'")
+            super().__init__(**kwargs)
+
+    monkeypatch.setattr(cache_utils, "DynamicCache", OlderDynamicCache)
+
+
+def _one_argument_lazy_initialization(monkeypatch):
+    """Releases whose layers initialised from the keys alone: `lazy_initialization(key_states)`."""
+    from transformers import cache_utils
+
+    def lazy_initialization(self, key_states):
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.keys = torch.tensor([], dtype=self.dtype, device=self.device)
+        self.values = torch.tensor([], dtype=self.dtype, device=self.device)
+        self.is_initialized = True
+
+    monkeypatch.setattr(cache_utils.DynamicLayer, "lazy_initialization", lazy_initialization)
+
+
+def _reads_pairs_in_another_order(monkeypatch):
+    """A release that takes `ddp_cache_data` without complaint but reads each pair the other way
+    round: nothing raises, the rows are silently wrong."""
+    from transformers import cache_utils
+
+    real = cache_utils.DynamicCache
+
+    class SwappedDynamicCache(real):
+        def __init__(self, ddp_cache_data=None, **kwargs):
+            pairs = None if ddp_cache_data is None else [(v, k) for k, v in ddp_cache_data]
+            super().__init__(ddp_cache_data=pairs, **kwargs)
+
+    monkeypatch.setattr(cache_utils, "DynamicCache", SwappedDynamicCache)
+
+
+@pytest.mark.parametrize("misbehave", [_refuses_ddp_cache_data, _one_argument_lazy_initialization,
+                                       _reads_pairs_in_another_order])
+async def test_cache_internals_that_misbehave_turn_reuse_off_with_one_line(misbehave, monkeypatch, caplog,
+                                                                           tiny_model_dir):
+    misbehave(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="proctor.server.engines.torch_prefix"):
+        engine = await _engine(tiny_model_dir)  # starts: the replica does not fail
+    try:
+        lines = [r.getMessage() for r in caplog.records if "prompt reuse off" in r.getMessage()]
+        assert len(lines) == 1 and "transformers" in lines[0] and "scored whole" in lines[0]
+        assert engine._prefix is None
+        (group,) = make_groups([40], 4, response=(1, 12), seed=7)
+        requests = [request_of(m, topk=4, hidden=True) for m in group]
+        outcomes = await engine.score(requests)
+        assert all(r.prompt_reused_tokens is None for r in outcomes)
+        for request, result in zip(requests, outcomes, strict=True):
+            assert_exact(result, request, tiny_model_dir)
+    finally:
+        await engine.close()
+
+
+async def test_the_real_internals_pass_the_probe_and_reuse_stays_on(caplog, tiny_model_dir):
+    with caplog.at_level(logging.WARNING, logger="proctor.server.engines.torch_prefix"):
+        for dtype in ("float32", "bfloat16"):
+            engine = create_engine(EngineSpec(name="torch", model_path=str(tiny_model_dir), dtype=dtype,
+                                              inference=REUSE))
+            await engine.start()
+            try:
+                assert engine._prefix is not None, dtype
+                assert reuse_works(engine._model.get_decoder(), engine._padded_pass)
+            finally:
+                await engine.close()
+    assert not [r for r in caplog.records if "prompt reuse off" in r.getMessage()]

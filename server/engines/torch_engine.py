@@ -34,7 +34,7 @@ from proctor.server.engines.logit_transforms import LogitTransforms, logit_trans
 from proctor.server.engines.multimodal import check_counts
 from proctor.server.engines.row_scores import score_rows
 from proctor.server.engines.torch_media import PreparedMedia, TorchMedia, is_multimodal, load_multimodal_model
-from proctor.server.engines.torch_prefix import TorchPrefix, batch_cache, supports_prompt_cache
+from proctor.server.engines.torch_prefix import TorchPrefix, batch_cache, reuse_works, supports_prompt_cache
 from proctor.server.fingerprint import model_fingerprint
 from proctor.server.prompt_reuse import ReuseSettings
 
@@ -106,7 +106,9 @@ class TorchEngine(TeacherEngine):
             check_own_logits(model, self._transforms)
         self._model = model
         reuse = ReuseSettings.from_inference(self.spec.inference)
-        self._prefix = TorchPrefix(reuse) if reuse.enabled and supports_prompt_cache(model) else None
+        # The reuse path is probed on a tiny input against the plain pass (transformers internals).
+        reusable = reuse.enabled and supports_prompt_cache(model) and reuse_works(model.get_decoder(), self._padded_pass)
+        self._prefix = TorchPrefix(reuse) if reusable else None
         max_len = int(self._max_model_len or getattr(config, "max_position_embeddings", 4096))
         self._info = EngineInfo(
             engine="torch",

@@ -19,6 +19,12 @@ Only models whose every attention layer is full attention are served this way (a
 layer keeps only its window, so its prompt state is not the prompt's KV); others are scored
 whole, as with reuse off. Memory: a leader's pass keeps its batch's KV (`batch_cache`, the
 tensors the attention computed, not a copy) until the prompt slices are copied out; an entry costs 2 * layers * kv_heads * head_dim * P values.
+
+The path builds on transformers' cache internals (`Cache(layer_class_to_replicate=...)`,
+`DynamicLayer.lazy_initialization(keys, values)`, `DynamicCache(ddp_cache_data=...)`), which
+change between releases. So `reuse_works` runs it at replica start on a tiny input against the
+plain pass: where it raises or differs, prompt reuse is off for that engine (one log line) and
+every request is scored whole; a replica never fails for it.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import torch
 
 from proctor.server.engines.base import EngineRequest
 from proctor.server.prompt_reuse import PromptCache, ReuseSettings, prompt_key
+from proctor.server.versions import installed
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +144,7 @@ class TorchPrefix:
 
     def _group_pass(self, body: torch.nn.Module, state: PromptState, group: list[EngineRequest]) -> list[torch.Tensor]:
         """The responses of one prompt's group in one right-padded pass against its cached KV."""
-        from transformers import DynamicCache
+        from transformers.cache_utils import DynamicCache
 
         prompt_length = group[0].first_row
         fed = [r.num_tokens - 1 - prompt_length for r in group]  # positions P..T-2 produce rows P+1..T-1
@@ -202,3 +209,62 @@ def _prompt_state(cache, slot: int, prompt_length: int, last_hidden: torch.Tenso
         keys, values = layer.keys, layer.values
         layers.append((keys[slot : slot + 1, :, :prompt_length].clone(), values[slot : slot + 1, :, :prompt_length].clone()))
     return PromptState(layers=layers, last_hidden=last_hidden.clone())
+
+
+# The probe's tiny input: one prompt, a batch of a leader and a member (the leader's own state),
+# then a member from the cache; how far the reuse path may be from the plain pass, relative to it.
+_PROBE_PROMPT, _PROBE_RESPONSES = 6, ((4, 2), (3,))
+_PROBE_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-4}
+_PROBE_HALF_TOLERANCE = 3e-2
+
+
+def reuse_works(body: torch.nn.Module, padded: PaddedPass) -> bool:
+    """Whether this transformers release's cache internals serve the reuse path: a tiny group
+    scored through it (a leader, a member in its batch, a member from the cache) equals the plain
+    padded pass. False (after one log line saying reuse is off) where it raises or differs."""
+    try:
+        with torch.inference_mode():
+            gap = _probe_gap(body, padded)
+    except Exception as exc:  # any failure of the internals is a reason to score whole, not to fail
+        why = f"{type(exc).__name__}: {exc}"
+    else:
+        if gap is None:  # the path turned itself off and said so (not a full-attention KV cache)
+            return False
+        dtype = next(body.parameters()).dtype
+        if gap <= _PROBE_TOLERANCE.get(dtype, _PROBE_HALF_TOLERANCE):
+            return True
+        why = f"its rows differ from the plain pass by {gap:.3g} (relative)"
+    log.warning("prompt reuse off for this teacher: the shared-prompt path does not work with transformers %s "
+                "(%s); every request is scored whole", installed("transformers"), why)
+    return False
+
+
+def _probe_gap(body: torch.nn.Module, padded: PaddedPass) -> float | None:
+    """The largest relative difference between the reuse path's rows and the plain pass's over the
+    probe's requests; None when the reuse path turned itself off."""
+    vocab = int(getattr(body.config, "vocab_size", 0) or 16)
+    width = _PROBE_PROMPT + max(max(batch) for batch in _PROBE_RESPONSES)
+    ids = (torch.arange(width * len(_PROBE_RESPONSES) * 2) * 7 + 3).remainder(vocab)
+    prompt, offset = ids[:_PROBE_PROMPT], _PROBE_PROMPT
+    prefix = TorchPrefix(ReuseSettings(enabled=True, min_tokens=1))
+    worst = 0.0
+    for step, lengths in enumerate(_PROBE_RESPONSES):
+        batch = []
+        for index, length in enumerate(lengths):
+            response = ids[offset : offset + length]
+            offset += length
+            batch.append(EngineRequest(request_id=f"probe{step}.{index}", token_ids=torch.cat([prompt, response]),
+                                       first_row=_PROBE_PROMPT, logprobs=True, topk=0, hidden_states=False))
+        states, reused = prefix.states(body, batch, padded)
+        if not prefix.settings.enabled:
+            return None
+        expected = [0, *[_PROBE_PROMPT] * (len(batch) - 1)] if step == 0 else [_PROBE_PROMPT] * len(batch)
+        if reused != expected:
+            raise RuntimeError(f"the reuse path reused {reused} prompt tokens, expected {expected}")
+        plain, _ = padded(body, batch, False)
+        for ours, theirs in zip(states, plain, strict=True):
+            if ours.shape != theirs.shape:
+                raise RuntimeError(f"rows of shape {tuple(ours.shape)}, the plain pass's {tuple(theirs.shape)}")
+            scale = float(theirs.float().norm()) or 1.0
+            worst = max(worst, float((ours.float() - theirs.float()).norm()) / scale)
+    return worst

