@@ -221,6 +221,51 @@ async def test_vllms_own_validation_error_is_a_request_error(vllm_engine):
 
 @pytest.mark.vllm
 @session_loop
+async def test_an_api_mismatch_with_vllm_is_a_server_fault_not_the_callers(vllm_engine, monkeypatch):
+    """A vLLM whose PoolingParams lacks a field proctor passes raises TypeError on every request:
+    that is the server's fault (RequestFailed, INTERNAL naming the cause), not the caller's 422."""
+    from proctor.server.engines import vllm_engine as module
+
+    AsyncEngineArgs, AsyncLLM, _current, TokensPrompt = module.engine_classes()
+
+    def older_pooling_params(*, skip_reading_prefix_cache=None, **kwargs):  # as a release without the field
+        raise TypeError("PoolingParams.__init__() got an unexpected keyword argument 'skip_reading_prefix_cache'")
+
+    monkeypatch.setattr(module, "engine_classes", lambda: (AsyncEngineArgs, AsyncLLM, older_pooling_params,
+                                                           TokensPrompt))
+    (outcome,) = await vllm_engine.score([_request(0, _sequences(1, 10)[0])])
+    assert type(outcome).__name__ == "RequestFailed", outcome
+    assert "TypeError" in outcome.cause and "skip_reading_prefix_cache" in outcome.cause
+    monkeypatch.undo()
+    (outcome,) = await vllm_engine.score([_request(1, _sequences(1, 10)[0])])
+    assert type(outcome).__name__ == "EngineResult"
+
+
+def test_vllm_errors_are_sorted_by_vllms_own_types():
+    pytest.importorskip("vllm")
+    from vllm.exceptions import VLLMValidationError
+    from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
+
+    from proctor.server.engines.base import EngineError, RequestFailed, RequestRejected
+    from proctor.server.engines.vllm_errors import classify_error, input_error
+
+    request = _request(0, _sequences(1, 10)[0])
+    rejected = classify_error(request, VLLMValidationError("prompt too long", parameter="prompt", value=2049))
+    assert isinstance(rejected, RequestRejected) and rejected.field == "token_ids" and "too long" in rejected.message
+    assert isinstance(classify_error(request, EngineDeadError()), EngineError)
+    wrapped = EngineGenerateError()
+    wrapped.__cause__ = ValueError("a bug in the pooler")
+    failed = classify_error(request, wrapped)
+    assert isinstance(failed, RequestFailed) and "a bug in the pooler" in failed.cause
+    assert isinstance(classify_error(request, ValueError("proctor's own bug")), RequestFailed)
+    assert isinstance(classify_error(request, TypeError("an API mismatch")), RequestFailed)
+    # The same ValueError out of the request's own media processing is the request's.
+    assert isinstance(input_error(request, ValueError("cannot identify image file")), RequestRejected)
+    assert isinstance(input_error(request, RuntimeError("worker gone")), RequestFailed)
+
+
+@pytest.mark.vllm
+@session_loop
 async def test_abort_of_running_requests_stops_them_in_vllm(vllm_engine):
     long = [_request(i, torch.randint(3, 512, (2000,), generator=torch.Generator().manual_seed(i)), topk=8)
             for i in range(8)]

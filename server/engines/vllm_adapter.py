@@ -81,3 +81,16 @@ def pooling_model_interface() -> type:
 # The pooling task proctor's requests run as: a token-wise task that vLLM's request path accepts
 # without an IO-processor plugin, whose parameter checks ask nothing of proctor's requests.
 SCORING_TASK = "token_classify"
+
+
+def vllm_error_types() -> tuple[tuple[type, ...], tuple[type, ...]]:
+    """(vLLM's client errors, its dead-engine errors): the types its request path raises to say
+    "this request's fault" (`VLLMClientError`: `VLLMValidationError`, ...) and "the EngineCore is
+    gone" (`EngineDeadError`). Empty where vLLM is not installed (nothing of it can raise then);
+    no version check, as the vLLM-Omni engine runs on its own pinned vLLM too."""
+    try:
+        from vllm.exceptions import VLLMClientError
+        from vllm.v1.engine.exceptions import EngineDeadError
+    except ImportError:
+        return (), ()
+    return (VLLMClientError,), (EngineDeadError,)

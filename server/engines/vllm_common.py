@@ -204,7 +204,7 @@ class VllmFamilyEngine(TeacherEngine):
             return task.result()
         outcome = classify_error(request, exc)
         if isinstance(outcome, EngineError):
-            log.warning("%s engine failed request %s: %s", self.engine_name, request.request_id, outcome)
+            log.warning("%s engine is unwell (request %s): %s", self.engine_name, request.request_id, outcome)
         return outcome
 
     async def abort(self, request_keys: list[str]) -> None:

@@ -39,6 +39,7 @@ from proctor.server.engines.row_scores import score_rows
 from proctor.server.engines.vllm_adapter import SCORING_TASK, check_vllm_version, engine_classes
 from proctor.server.engines.vllm_args import engine_args_from_settings, engine_kwargs_of, engine_request_id
 from proctor.server.engines.vllm_common import PROBE_TIMEOUT_S, VllmFamilyEngine
+from proctor.server.engines.vllm_errors import input_error
 from proctor.server.engines.vllm_media import VllmMedia
 from proctor.server.engines.vllm_prefix import KeptRow, PrefixLane, Scored
 from proctor.server.engines.vllm_scoring_model import scoring_architecture
@@ -169,7 +170,13 @@ class VllmEngine(VllmFamilyEngine):
         ask = self._ask(request, keep_row=request.first_row if keep_row else 0)
         params = PoolingParams(task=SCORING_TASK, extra_kwargs=ask.to_kwargs(),
                                skip_reading_prefix_cache=not read_cache)
-        prompt = await self._media.rendered(self._llm, request)  # media: collapsed, expanded, checked
+        try:  # media: collapsed, expanded, checked (vLLM's processor runs on the request's own items)
+            prompt = await self._media.rendered(self._llm, request)
+        except Exception as exc:
+            outcome = input_error(request, exc)
+            if outcome is exc:
+                raise
+            raise outcome from exc
         final = await self._final(self._llm.encode(prompt, params, request_id=engine_request_id(request)))
         try:
             pooled = unpack(final.outputs.data)
