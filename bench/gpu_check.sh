@@ -34,8 +34,8 @@ if [ "${1:-}" = loss ]; then
 fi
 
 if [ "$DEVICE" != cpu ] && ! "$PYTHON" -c "import vllm, torch; assert torch.cuda.is_available()" 2>/dev/null; then
-  echo "installing vllm (CUDA build) ..." >&2
-  "$PYTHON" -m pip install -q vllm
+  echo "installing vllm (CUDA build, the release proctor supports) ..." >&2
+  "$PYTHON" -m pip install -q -e ".[server,vllm]"
 fi
 
 if [ "${1:-}" = multimodal ]; then
@@ -45,8 +45,8 @@ if [ "${1:-}" = multimodal ]; then
   exit 0
 fi
 if [ -n "${OMNI_MODEL:-}" ] && ! "$PYTHON" -c "import vllm_omni" 2>/dev/null; then
-  echo "installing vllm-omni ..." >&2
-  "$PYTHON" -m pip install -q vllm-omni
+  echo "installing vllm-omni (the release proctor's engine is written against) ..." >&2
+  "$PYTHON" -m pip install -q -e ".[omni]"
 fi
 "$PYTHON" -c "import proctor.server.engines" 2>/dev/null || "$PYTHON" -m pip install -q -e ".[server]"
 

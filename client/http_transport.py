@@ -76,7 +76,7 @@ class HttpTransport(Transport):
                 response = await coro
             else:
                 response = await asyncio.wait_for(coro, timeout + _DEADLINE_GRACE_S)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise make_error("DEADLINE_EXCEEDED", f"no answer within the deadline ({timeout:.3f}s)") from None
         except httpx.TimeoutException as exc:
             raise make_error("DEADLINE_EXCEEDED", f"HTTP timeout: {exc!r}") from None

@@ -45,7 +45,7 @@ def _refuse_unsupported_versions(engines: list[str]) -> None:
     """Exit 1 with one line on stderr (installed and supported release, what to install) when a
     component the engines need is outside the supported-version table (pyproject.toml), rather
     than fail later inside a replica with a third-party traceback."""
-    from proctor.server.versions import UnsupportedVersion, check_engines
+    from proctor.proto.versions import UnsupportedVersion, check_engines
 
     try:
         check_engines(engines)

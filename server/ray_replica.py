@@ -194,7 +194,7 @@ class RayEngine(TeacherEngine):
         timeout = self.spec.startup_timeout_s
         try:
             self._info, self._budget = await asyncio.wait_for(self._call(self.actor.start.remote()), timeout)
-        except asyncio.TimeoutError as exc:
+        except TimeoutError as exc:
             await self.close()
             raise EngineError(
                 f"Ray actor for {self.spec.model_path} did not start within {timeout:.0f}s "

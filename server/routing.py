@@ -61,8 +61,7 @@ class ReplicaLost(RuntimeError):
 def _caller_cancelled() -> bool:
     """Whether the running task itself is being cancelled (not merely a future it awaited)."""
     task = asyncio.current_task()
-    cancelling = getattr(task, "cancelling", None)  # Python >= 3.11
-    return bool(cancelling()) if cancelling is not None else False
+    return task is not None and task.cancelling() > 0
 
 
 class ReplicaState(enum.IntEnum):

@@ -31,7 +31,7 @@ from proctor.server.validation import decode, request_mode, validate
 log = logging.getLogger(__name__)
 
 
-class ServiceState(str, enum.Enum):
+class ServiceState(str, enum.Enum):  # noqa: UP042 (str() of a member is its name here, as before)
     LOADING = "loading"
     SERVING = "serving"
     DRAINING = "draining"
@@ -97,7 +97,7 @@ class ScoringService:
         try:
             await asyncio.wait_for(self._idle.wait(), timeout=grace_s)
             return True
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
 
     def ready(self) -> bool:

@@ -1,4 +1,4 @@
-"""The supported-version table (pyproject.toml, read back by `proctor.server.versions`) and the
+"""The supported-version table (pyproject.toml, read back by `proctor.proto.versions`) and the
 start-up check of `proctor serve`: a release outside it is one clear line on stderr and exit 1.
 
 The releases are faked the way pip would leave them: a `<name>-<version>.dist-info` directory
@@ -16,7 +16,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
-from proctor.server import versions
+from proctor.proto import versions
 from proctor.server.engines import EngineConfigError
 
 from support.configs import cpu_config, torch_teacher, write_config
@@ -135,3 +135,15 @@ def test_a_config_s_teachers_are_checked_together_in_one_line(tmp_path, tiny_mod
     assert "transformers 4.40.0 is installed" in line and "(for inference.name=torch and inference.name=vllm)" in line
     assert "; vLLM 0.10.1 is installed, but proctor supports vLLM 0.32.0" in line
     assert line.count("transformers 4.40.0") == 1
+
+
+def test_patch_verl_refuses_a_verl_it_was_not_tested_against(tmp_path):
+    """The trainer side checks its verl against the same table before it replaces verl internals."""
+    _fake_release(tmp_path / "fakes", "verl", "0.4.1")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path / "fakes"),
+                                                                     os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", "from proctor.trainer_adapter.verl import patch_verl; patch_verl()"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1
+    assert ("verl 0.4.1 is installed, but proctor supports verl 0.9.1 (for proctor.trainer_adapter.patch_verl)"
+            in done.stderr), done.stderr

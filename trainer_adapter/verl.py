@@ -535,6 +535,16 @@ def _patch_losses() -> None:
         losses.register_distillation_loss(settings)(losses.compute_forward_kl_topk)
 
 
+def _check_verl_version() -> None:
+    """Refuse a verl release this adapter was not tested against (it replaces verl internals):
+    one line naming the installed and the supported release (pyproject's `verl` extra). Without
+    verl there is nothing to patch and nothing to check."""
+    from proctor.proto.versions import check_versions, installed
+
+    if installed("verl") is not None:
+        check_versions(["verl"], needed_by="proctor.trainer_adapter.patch_verl")
+
+
 def patch_verl() -> None:
     """Make verl 0.9 run with proctor teachers and proctor's top-k losses; idempotent.
 
@@ -542,6 +552,7 @@ def patch_verl() -> None:
     and, through Ray's `worker_process_setup_hook`, every Ray worker): each piece checks whether
     it is already in place, and a trainer whose dependencies are absent is left alone.
     """
+    _check_verl_version()
     with _PATCH_LOCK:
         _patch_teacher_managers()
         _patch_resource_pools()

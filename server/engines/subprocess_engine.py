@@ -147,7 +147,7 @@ class SubprocessEngine(TeacherEngine):
         timeout = self.spec.startup_timeout_s
         try:
             self._info, self._budget = await asyncio.wait_for(asyncio.shield(self._ready), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             await self.close()
             raise EngineError(
                 f"{self.name}: the {self.spec.name} engine did not start within {timeout:.0f} s "
@@ -281,7 +281,7 @@ class SubprocessEngine(TeacherEngine):
             return False
         try:
             healthy = bool(await self._call("health", timeout=self.health_timeout_s))
-        except (EngineError, asyncio.TimeoutError):
+        except (TimeoutError, EngineError):
             healthy = False
         self._suspect = self._suspect or not healthy
         return healthy

@@ -36,9 +36,9 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from proctor.proto.versions import installed
 from proctor.server.engines.base import EngineRequest
 from proctor.server.prompt_reuse import PromptCache, ReuseSettings, prompt_key
-from proctor.server.versions import installed
 
 log = logging.getLogger(__name__)
 

