@@ -147,6 +147,31 @@ class TorchEngine(TeacherEngine):
     def token_budget(self) -> int:
         return self._budget
 
+    async def check_health(self) -> bool:
+        """The device still computes: a two-token forward through the model (a CUDA error is
+        sticky, so a device that failed once fails this too). While a batch runs the lock is
+        held and the batch is the proof of life: the probe never waits behind it."""
+        if self._model is None:
+            return False
+        return await asyncio.to_thread(self._probe)
+
+    def _probe(self) -> bool:
+        if not self._lock.acquire(blocking=False):
+            return True
+        try:
+            model = self._model
+            if model is None:
+                return False
+            device = next(model.parameters()).device
+            with torch.inference_mode():
+                states = model.get_decoder()(input_ids=torch.tensor([[1, 2]], device=device)).last_hidden_state
+            return bool(torch.isfinite(states).all())
+        except Exception:
+            log.exception("the torch engine's health probe failed")
+            return False
+        finally:
+            self._lock.release()
+
     def unembedding(self) -> torch.Tensor:
         if self._model is None:
             raise EngineError("engine not started")
