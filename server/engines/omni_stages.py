@@ -15,6 +15,7 @@ from typing import Any
 from proctor.server.engines.base import (
     EngineError,
     EngineRequest,
+    RequestFailed,
     RequestRejected,
 )
 from proctor.server.engines.vllm_errors import classify_error
@@ -65,7 +66,7 @@ def _client_status(exc: BaseException) -> int | None:
     return int(status) if isinstance(status, int) else None
 
 
-def classify_stage_error(exc: BaseException, request: EngineRequest) -> RequestRejected | EngineError:
+def classify_stage_error(exc: BaseException, request: EngineRequest) -> RequestRejected | RequestFailed | EngineError:
     """The outcome of an exception from `AsyncOmni.generate`: that request's rejection, or an
     `EngineError` when the engine (not the request) failed.
 
@@ -85,7 +86,8 @@ def classify_stage_error(exc: BaseException, request: EngineRequest) -> RequestR
     Rules: dead/generate-error types are the engine's; a 4xx status or a `ValueError` is the
     request's; a `RuntimeError` is the request's only when its message has an input-rejection
     shape (`_REJECTION_PATTERNS`); anything else goes to the vLLM family's rule
-    (`vllm_common.classify_error`), which makes it the engine's unless it is an input error.
+    (`vllm_errors.classify_error`): a server fault of that request (`RequestFailed`), which
+    routing retries once elsewhere and weighs toward the replica's health.
     """
     if isinstance(exc, RequestRejected | EngineError):
         return exc
