@@ -110,10 +110,24 @@ def make_tiny_model(
                     param.normal_(0.0, 0.25 if name.startswith("lm_head") else 0.08)
     finally:
         torch.random.set_rng_state(generator_state)
-    model.save_pretrained(out, safe_serialization=True)
+    model.save_pretrained(out, safe_serialization=True, state_dict=_checkpoint_state(model, tie_word_embeddings))
     tokenizer.save_pretrained(out)
     (out / "proctor_tiny.json").write_text(json.dumps({"seed": seed, "generator": "proctor.make_tiny_model"}))
     return out
+
+
+def _checkpoint_state(model, tied: bool) -> dict[str, torch.Tensor]:
+    """The weights to write. A tied head is left out of the file, as real tied checkpoints (GPT-2,
+    Gemma-2) leave it: done here rather than trusting save_pretrained's alias detection, which keeps
+    `lm_head.weight` whenever the tie was not in place at save time."""
+    state = model.state_dict()
+    if not tied:
+        return state
+    model.tie_weights()
+    head, embedding = model.get_output_embeddings().weight, model.get_input_embeddings().weight
+    if head.data_ptr() != embedding.data_ptr():
+        raise RuntimeError("tiny model: the head is not tied to the input embedding after tie_weights()")
+    return {name: tensor for name, tensor in state.items() if name != "lm_head.weight"}
 
 
 # Tiny model families: the default, two whose final logits are transformed, and GPT-2 (its output
