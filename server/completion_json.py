@@ -1,13 +1,15 @@
-"""vLLM's `prompt_logprobs` JSON, written column by column with numpy's string ufuncs.
+"""vLLM's `prompt_logprobs` JSON, assembled from per-column string pieces in one join.
 
 A `/v1/completions` answer with `prompt_logprobs=K` holds (K + 1) entries per token
-(`"<id>": {"logprob": x, "rank": r, "decoded_token": "..."}`): building a dict per entry and
-`json.dumps` of the whole was the endpoint's main cost. Here every field is formatted for all
-rows at once (floats and ints by numpy's shortest round-trip formatting, the same digits as
-Python's `repr`; decoded tokens looked up in a table of JSON-escaped strings, one per id ever
-seen), and the entries are concatenated column by column: K + 1 vectorised string operations per
-answer, no Python work per entry. The text equals `json.dumps` of vLLM's dict form (the actual
-token first; a top-K entry equal to it is left out, as a dict keeps the first key).
+(`"<id>":{"logprob":x,"rank":r,"decoded_token":"..."}`): building a dict per entry and
+`json.dumps` of the whole was the endpoint's main cost, and so was, after it, formatting every
+field with numpy's string ufuncs (their float formatting and the per-operation copies of a
+growing StringDType line cost ~2 µs an entry, 140 µs a scored top-64 token). Here an entry is
+four pieces in an object array: the id's key (`"<id>":{"logprob":`) and its tail
+(`,"decoded_token":"..."}`) from a table built once per id, the log-prob as Python's float repr
+(what `json.dumps` writes), and the rank's piece; the pieces of every kept entry are joined
+once. No Python bytecode runs per entry. The text equals `json.dumps` of vLLM's dict form (the
+actual token first; a top-K entry equal to it is left out, as a dict keeps the first key).
 """
 
 from __future__ import annotations
@@ -18,70 +20,94 @@ from collections.abc import Callable
 
 import numpy as np
 
-_STR = np.dtypes.StringDType()
+# Rows formatted per join: one join of ~5 pieces an entry holds the GIL for a few ms at most,
+# so an answer built on a worker thread leaves the event loop its turns.
+_ROWS_PER_PIECE = 256
 
 
-def _floats(values: np.ndarray) -> np.ndarray:
-    """float32 values as Python's json writes their float64 widening."""
-    wide = values.astype(np.float64)
-    text = wide.astype(_STR)
-    text = np.where(np.isneginf(wide), "-Infinity", text)
-    text = np.where(np.isposinf(wide), "Infinity", text)
-    return np.where(np.isnan(wide), "NaN", text).astype(_STR)
+def _float_texts(values: np.ndarray) -> np.ndarray:
+    """float32 values as json.dumps writes their float64 widening (an object array of str)."""
+    wide = values.astype(np.float64).ravel()
+    out = np.empty(wide.shape[0], dtype=object)
+    out[:] = list(map(float.__repr__, wide.tolist()))
+    odd = np.flatnonzero(~np.isfinite(wide))
+    for index in odd.tolist():  # JSON's spellings (json.dumps' allow_nan), rare: masked entries
+        value = wide[index]
+        out[index] = "NaN" if value != value else ("Infinity" if value > 0 else "-Infinity")
+    return out.reshape(values.shape)
 
 
 class TokenText:
-    """Token id -> its `decoded_token` as a JSON string literal, decoded once per id (each id
-    decoded alone, as vLLM reports it)."""
+    """Token id -> the two constant pieces of its entry: the key (`"<id>":{"logprob":`) and the
+    tail with its `decoded_token` (each id decoded alone, as vLLM reports it), made once per id
+    and kept (a table the size of the ids seen, at most the vocabulary)."""
 
     def __init__(self, decode: Callable[[int], str]) -> None:
         self._decode = decode
-        self._table = np.zeros(0, dtype=_STR)
+        self._keys = np.zeros(0, dtype=object)
+        self._tails = np.zeros(0, dtype=object)
         self._known = np.zeros(0, dtype=bool)
         self._lock = threading.Lock()  # answers are built on worker threads too
 
-    def lookup(self, ids: np.ndarray) -> np.ndarray:
-        with self._lock:
-            return self._lookup(ids)
+    def __len__(self) -> int:
+        """Ids decoded so far."""
+        return int(self._known.sum())
 
-    def _lookup(self, ids: np.ndarray) -> np.ndarray:
+    def pieces(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The key and tail pieces of `ids` (object arrays of ids' shape)."""
+        with self._lock:
+            self._learn(ids)
+            return self._keys[ids], self._tails[ids]
+
+    def _learn(self, ids: np.ndarray) -> None:
         top = int(ids.max(initial=-1)) + 1
-        if top > self._table.shape[0]:
-            self._table = np.concatenate([self._table, np.full(top - self._table.shape[0], "", dtype=_STR)])
-            self._known = np.concatenate([self._known, np.zeros(top - self._known.shape[0], dtype=bool)])
+        if top > self._known.shape[0]:
+            grow = top - self._known.shape[0]
+            self._keys = np.concatenate([self._keys, np.full(grow, "", dtype=object)])
+            self._tails = np.concatenate([self._tails, np.full(grow, "", dtype=object)])
+            self._known = np.concatenate([self._known, np.zeros(grow, dtype=bool)])
         missing = np.unique(ids[~self._known[ids]]) if ids.size else ids
         for token in missing.tolist():
-            self._table[token] = json.dumps(self._decode(token))
+            self._keys[token] = f'"{token}":{{"logprob":'
+            self._tails[token] = f',"decoded_token":{json.dumps(self._decode(token))}}}'
         self._known[missing] = True
-        return self._table[ids]
 
 
 def prompt_logprobs_json(ids: np.ndarray, logprobs: np.ndarray, ranks: np.ndarray | None,
                          topk_ids: np.ndarray | None, topk_logprobs: np.ndarray | None, text: TokenText) -> str:
     """One prompt's `prompt_logprobs` list as JSON: `null`, then rows 1..T-1 (`ids` [T], the
     rest per row [T-1] / [T-1, K])."""
-    actual = ids[1:].astype(np.int64)
+    actual = np.asarray(ids)[1:].astype(np.int64)
     rows = actual.shape[0]
-    k = 0 if topk_ids is None else topk_ids.shape[1]
-    if k:
-        hit = topk_ids == actual[:, None]
-        rank = np.where(hit.any(axis=1), hit.argmax(axis=1) + 1, ranks if ranks is not None else k + 1)
-    else:
-        rank = ranks if ranks is not None else np.ones(rows, dtype=np.int64)
-    line = _entry(actual, _floats(logprobs), np.asarray(rank).astype(np.int64), text)
-    for place in range(k):
-        entry = _entry(topk_ids[:, place].astype(np.int64), _floats(topk_logprobs[:, place]),
-                       np.full(rows, place + 1, dtype=np.int64), text)
-        line = np.strings.add(line, np.where(hit[:, place], "", np.strings.add(",", entry)).astype(_STR))
     if not rows:
         return "[null]"
-    return "[null,{" + "},{".join(line.tolist()) + "}]"
-
-
-def _entry(tokens: np.ndarray, logprobs: np.ndarray, ranks: np.ndarray, text: TokenText) -> np.ndarray:
-    parts = ('"', tokens.astype(_STR), '":{"logprob":', logprobs, ',"rank":', ranks.astype(_STR),
-             ',"decoded_token":', text.lookup(tokens), "}")
-    out = np.asarray(parts[0], dtype=_STR)
-    for part in parts[1:]:
-        out = np.strings.add(out, part)
-    return out
+    k = 0 if topk_ids is None else topk_ids.shape[1]
+    tokens = np.empty((rows, k + 1), dtype=np.int64)
+    tokens[:, 0] = actual
+    values = np.empty((rows, k + 1), dtype=np.float32)
+    values[:, 0] = logprobs
+    keep = np.ones((rows, k + 1), dtype=bool)
+    if k:
+        tokens[:, 1:] = topk_ids
+        values[:, 1:] = topk_logprobs
+        hit = topk_ids == actual[:, None]
+        rank = np.where(hit.any(axis=1), hit.argmax(axis=1) + 1, ranks if ranks is not None else k + 1)
+        keep[:, 1:] = ~hit
+    else:
+        rank = ranks if ranks is not None else np.ones(rows, dtype=np.int64)
+    rank_pieces = np.empty((rows, k + 1), dtype=object)
+    rank_pieces[:, 1:] = np.asarray([f',"rank":{place}' for place in range(1, k + 1)], dtype=object)
+    rank_pieces[:, 0] = [f',"rank":{r}' for r in np.asarray(rank).astype(np.int64).tolist()]
+    out = []
+    for start in range(0, rows, _ROWS_PER_PIECE):
+        stop = min(rows, start + _ROWS_PER_PIECE)
+        keys, tails = text.pieces(tokens[start:stop])
+        entry = np.empty((stop - start, k + 1, 5), dtype=object)
+        entry[:, :, 0] = ","
+        entry[:, 0, 0] = "},{"
+        entry[:, :, 1] = keys
+        entry[:, :, 2] = _float_texts(values[start:stop])
+        entry[:, :, 3] = rank_pieces[start:stop]
+        entry[:, :, 4] = tails
+        out.append("".join(entry[keep[start:stop]].ravel().tolist()))
+    return "[null," + "".join(out)[2:] + "}]"

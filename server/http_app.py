@@ -313,6 +313,30 @@ def create_app(
             await task
         return None
 
+    async def score_all_unless_disconnected(
+        request: Request, messages: list[scoring_pb2.ScoreRequest], *, unary: bool
+    ) -> list[ScoredRequest] | None:
+        """Score several messages at once (a /v1/completions body's prompts), answers in order.
+        The first error fails the call and withdraws the rest; all are withdrawn (None) if the
+        client goes away first. One disconnect watcher for the lot: one per prompt would poll the
+        connection thousands of times a second for a body of thousands of prompts."""
+        timeout = _timeout(request)
+        jobs = [asyncio.ensure_future(service.score(message, timeout=timeout, unary=unary)) for message in messages]
+        everything = asyncio.gather(*jobs)
+        everything.add_done_callback(lambda done: done.cancelled() or done.exception())  # read here or below
+        watcher = asyncio.ensure_future(_until_disconnected(request))
+        try:
+            await asyncio.wait({everything, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not all(job.done() for job in jobs):  # an error, the client gone, or this call cancelled
+                for job in jobs:
+                    job.cancel()
+                await asyncio.gather(*jobs, return_exceptions=True)
+        if not everything.done():
+            return None
+        return everything.result()  # the first error, if any, is raised here
+
     @app.post("/v1/score", summary="Score one sequence with a teacher", openapi_extra=_SCORE_BODY)
     async def score(request: Request) -> Response:
         try:
@@ -388,5 +412,5 @@ def create_app(
 
     # vLLM's scoring surface (/health, /v1/models, /v1/completions) over the same service.
     mount_openai_compat(app, service, responses, max_body_bytes=max_body_bytes,
-                        score=score_unless_disconnected, read_body=read_body)
+                        score_all=score_all_unless_disconnected, read_body=read_body)
     return app

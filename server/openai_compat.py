@@ -38,7 +38,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from fastapi import FastAPI, Request
@@ -59,6 +59,8 @@ log = logging.getLogger(__name__)
 # thread, as the HTTP shell decodes large bodies there: the event loop (gRPC too) keeps serving.
 _INLINE_ANSWER_CELLS = 20_000
 _INLINE_BODY_BYTES = 256 << 10
+# Token ids go into a ScoreRequest in slices of this many (as /v1/score's JSON path does).
+_IDS_SLICE = 1 << 16
 _INT32 = range(-(2**31), 2**31)
 
 # Completions parameters that mean nothing to scoring, accepted at their neutral value only
@@ -102,7 +104,9 @@ _ERROR_TYPES = {
 # One scored prompt as the service answers it (its `result`, `teacher`, `mode`); left untyped so
 # this module does not depend on the service's name for it.
 Scored = Any
-Score = Callable[..., Awaitable[Scored]]
+# The app's call scoring a body's prompts together: their answers in order, None if the client left.
+ScoreAll = Callable[..., Awaitable[list[Scored] | None]]
+T = TypeVar("T")
 
 
 def openai_error(error: ScoringError) -> JSONResponse:
@@ -244,14 +248,46 @@ def token_text(tokenizer: Any) -> TokenText:
     return TokenText(lambda token: tokenizer.decode([token]) if tokenizer is not None else "")
 
 
+@dataclass(frozen=True)
+class Built:
+    """A completions request made ready for the service: its prompts as token ids and one
+    `ScoreRequest` per prompt."""
+
+    prompts: list[list[int]]
+    messages: list[scoring_pb2.ScoreRequest]
+
+
+def build_requests(ask: CompletionAsk, teacher_name: str, tokenizer: Any) -> Built:
+    """Text prompts tokenized, and one ScoreRequest per prompt (ids in slices, so that no one C
+    call holds the GIL long): the work that grows with the body, done off the loop for a
+    large body (`OpenAICompat.complete`)."""
+    prompts: list[list[int]] = []
+    messages = []
+    for index, prompt in enumerate(ask.prompts):
+        if isinstance(prompt, str):
+            if tokenizer is None:
+                raise invalid("prompt", f"teacher {teacher_name!r} has no tokenizer here: send token ids, "
+                              f"not text (prompt {index})")
+            prompt = list(tokenizer.encode(prompt))
+        message = scoring_pb2.ScoreRequest(teacher_key=ask.model, logprobs=True, topk=ask.topk)
+        for start in range(0, len(prompt), _IDS_SLICE):
+            message.token_ids.extend(prompt[start:start + _IDS_SLICE])
+        if ask.temperature is not None:
+            message.temperature = ask.temperature
+        prompts.append(prompt)
+        messages.append(message)
+    return Built(prompts, messages)
+
+
 def completion_body(ask: CompletionAsk, model: str, prompts: list[list[int]], scored: list[Scored],
-                    texts: list[str], text: TokenText) -> bytes:
+                    tokenizer: Any, text: TokenText) -> bytes:
     """The whole `/v1/completions` answer, serialised, as vLLM shapes it; the prompt log-probs are
-    written column-wise (`completion_json`), the rest by `json.dumps`."""
+    written column-wise (`completion_json`), the rest by `json.dumps`. With `echo` each choice's
+    `text` is its prompt decoded (here too, so that a large answer's decoding is off the loop)."""
     choices = []
-    for index, (ids, score, echoed) in enumerate(zip(prompts, scored, texts, strict=True)):
-        head = {"index": index, "text": echoed if ask.echo else "", "logprobs": None, "finish_reason": "length",
-                "stop_reason": None}
+    for index, (ids, score) in enumerate(zip(prompts, scored, strict=True)):
+        echoed = tokenizer.decode(ids) if ask.echo and tokenizer is not None else ""
+        head = {"index": index, "text": echoed, "logprobs": None, "finish_reason": "length", "stop_reason": None}
         result = score.result
         rows = prompt_logprobs_json(
             np.asarray(ids, dtype=np.int64), result.logprobs.numpy(),
@@ -269,23 +305,43 @@ def _dumps(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"))
 
 
+async def off_loop_if(large: bool, work: Callable[..., T], *args: Any) -> T:
+    """`work(*args)` in a worker thread when `large`, else here: a thread hop costs more than
+    a small request's whole build, a large one would hold the event loop (gRPC's too)."""
+    if large:
+        return await asyncio.to_thread(work, *args)
+    return work(*args)
+
+
+def _parse(raw: bytes) -> CompletionAsk:
+    return parse_completion(loads_bounded(raw, field="body"))
+
+
 class OpenAICompat:
     """The three vLLM-compatible routes over one ScoringService."""
 
-    def __init__(self, service: ScoringService, responses: Responses, *, max_body_bytes: int, score: Score,
+    def __init__(self, service: ScoringService, responses: Responses, *, max_body_bytes: int, score_all: ScoreAll,
                  read_body: Callable[[Request, int], Awaitable[bytes]]) -> None:
         self.service = service
         self.responses = responses
         self.max_body_bytes = max_body_bytes
-        self.score = score
+        self.score_all = score_all
         self.read_body = read_body
         self.tokenizers = Tokenizers()
-        self._token_texts: dict[int, TokenText] = {}  # per tokenizer (by identity), kept across answers
+        # One table per teacher, kept across answers (bounded by its vocabulary).
+        self._token_texts: dict[str, TokenText] = {}
 
     async def tokenizer(self, teacher: ReplicaSet) -> Any:
         if self.tokenizers.loaded(teacher):
             return self.tokenizers.get(teacher)
         return await asyncio.to_thread(self.tokenizers.get, teacher)
+
+    def token_text(self, teacher: ReplicaSet, tokenizer: Any) -> TokenText:
+        """The teacher's `decoded_token` table (made on its first answer)."""
+        text = self._token_texts.get(teacher.name)
+        if text is None:
+            text = self._token_texts[teacher.name] = token_text(tokenizer)
+        return text
 
     def models(self) -> dict:
         data = []
@@ -300,24 +356,6 @@ class OpenAICompat:
                          "permission": []})
         return {"object": "list", "data": data}
 
-    async def _token_prompts(self, ask: CompletionAsk, teacher: ReplicaSet) -> tuple[list[list[int]], Any]:
-        tokenizer = await self.tokenizer(teacher)
-        prompts = []
-        for index, prompt in enumerate(ask.prompts):
-            if isinstance(prompt, str):
-                if tokenizer is None:
-                    raise invalid("prompt", f"teacher {teacher.name!r} has no tokenizer here: send token ids, "
-                                  f"not text (prompt {index})")
-                prompt = await asyncio.to_thread(tokenizer.encode, prompt)
-            prompts.append(list(prompt))
-        return prompts, tokenizer
-
-    def _message(self, ask: CompletionAsk, ids: list[int]) -> scoring_pb2.ScoreRequest:
-        message = scoring_pb2.ScoreRequest(teacher_key=ask.model, token_ids=ids, logprobs=True, topk=ask.topk)
-        if ask.temperature is not None:
-            message.temperature = ask.temperature
-        return message
-
     def _route(self, ask: CompletionAsk) -> ReplicaSet:
         """The teacher `model` names; an unknown one is counted as /v1/score counts it."""
         try:
@@ -328,45 +366,42 @@ class OpenAICompat:
             raise
 
     async def complete(self, request: Request) -> Response:
+        """Read, check, score and answer one completions call. What grows with the request runs
+        in a worker thread once it is large: the body's parse (over `_INLINE_BODY_BYTES`), the
+        tokenizing and the ScoreRequests (a large body or text prompts), and the answer's JSON
+        (over `_INLINE_ANSWER_CELLS`, or echoed text to decode), so /health/live and every other
+        call keep being answered while a 20 MB body or a 100 MB answer is worked on."""
         try:
             raw = await self.read_body(request, self.max_body_bytes)
-            if len(raw) <= _INLINE_BODY_BYTES:
-                ask = parse_completion(loads_bounded(raw, field="body"))
-            else:
-                ask = await asyncio.to_thread(lambda: parse_completion(loads_bounded(raw, field="body")))
+            large = len(raw) > _INLINE_BODY_BYTES
+            ask = await off_loop_if(large, _parse, raw)
             teacher = self._route(ask)
-            prompts, tokenizer = await self._token_prompts(ask, teacher)
-            jobs = [asyncio.ensure_future(self.score(request, self._message(ask, ids), unary=True)) for ids in prompts]
-            try:
-                scored = await asyncio.gather(*jobs)
-            except BaseException:
-                for job in jobs:
-                    job.cancel()
-                await asyncio.gather(*jobs, return_exceptions=True)
-                raise
+            tokenizer = await self.tokenizer(teacher)
+            texts = any(isinstance(prompt, str) for prompt in ask.prompts)
+            built = await off_loop_if(large or texts, build_requests, ask, teacher.name, tokenizer)
+            scored = await self.score_all(request, built.messages, unary=True)
         except ScoringError as error:
             return openai_error(error)
-        if any(s is None for s in scored):
+        if scored is None:
             return Response(status_code=499)
-        text = self._token_texts.setdefault(id(tokenizer), token_text(tokenizer))
-        texts = [tokenizer.decode(ids) if ask.echo and tokenizer is not None else "" for ids in prompts]
         model = ask.model or teacher.keys[0]
-        cells = sum(len(ids) * (ask.topk + 1) for ids in prompts)
-        if cells <= _INLINE_ANSWER_CELLS:
-            payload = completion_body(ask, model, prompts, scored, texts, text)
-        else:
-            payload = await asyncio.to_thread(completion_body, ask, model, prompts, scored, texts, text)
+        cells = sum(len(ids) * (ask.topk + 1) for ids in built.prompts)
+        payload = await off_loop_if(cells > _INLINE_ANSWER_CELLS or (ask.echo and tokenizer is not None),
+                                    completion_body, ask, model, built.prompts, scored, tokenizer,
+                                    self.token_text(teacher, tokenizer))
         self.responses.metrics.response_sent(scored[0].teacher, scored[0].mode, len(payload))
         return Response(payload, media_type="application/json")
 
 
 def mount_openai_compat(app: FastAPI, service: ScoringService, responses: Responses, *, max_body_bytes: int,
-                        score: Score, read_body: Callable[[Request, int], Awaitable[bytes]]) -> OpenAICompat:
+                        score_all: ScoreAll, read_body: Callable[[Request, int], Awaitable[bytes]]) -> OpenAICompat:
     """Add `/health`, `/v1/models` and `/v1/completions` (scoring only) to the HTTP app.
 
-    `score(request, message, unary=...)` is the app's scoring call that withdraws a request whose
-    client went away (None), so a disconnected completions call leaves the queue as /v1/score does."""
-    compat = OpenAICompat(service, responses, max_body_bytes=max_body_bytes, score=score, read_body=read_body)
+    `score_all(request, messages, unary=...)` is the app's scoring call for a body's prompts that
+    withdraws them all (None) if the client goes away, so a disconnected completions call leaves
+    the queue as /v1/score does."""
+    compat = OpenAICompat(service, responses, max_body_bytes=max_body_bytes, score_all=score_all,
+                          read_body=read_body)
 
     @app.get("/health", summary="vLLM's readiness probe: 200 when every teacher can score")
     async def health() -> Response:

@@ -1,0 +1,120 @@
+"""`/v1/completions` under load, on one real `proctor serve` (torch engine, tiny teacher).
+
+- A 20 MB body (four prompts of 1.3M token ids each) is parsed, turned into ScoreRequests and
+  refused for its length while `/health/live` is polled: the work that grows with the body runs
+  in a worker thread, so every poll is answered within a second (and well within the call).
+- Ten rounds of the same load (what TRL's VLLMClient sends: one prompt per request,
+  `prompt_logprobs=K`, several at a time): the front process's CPU per scored token does not
+  climb and its RSS stays flat. CPU seconds per token (psutil, the front alone) rather than
+  tokens/s, so that a busy machine does not decide the test; the best of the first three rounds
+  against the best of the last three, as one round's figure carries the host's noise.
+  `bench/completions_rounds.py` prints the per-round figures (tokens/s too).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import psutil
+import pytest
+
+from support.servers import SubprocessServer
+
+PROMPT_TOKENS = 480
+TOPK = 32
+REQUESTS = 32
+CONCURRENCY = 8
+ROUNDS = 10
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    served = SubprocessServer(["--model", str(tiny_model_dir), "--max-topk", str(TOPK), "--teacher-name", "load",
+                               "--no-verbose"])
+    yield served
+    served.stop()
+
+
+def _poll_while(url: str, call) -> tuple[list[float], float, httpx.Response]:
+    """Poll `/health/live` from a thread while `call()` runs: the polls' latencies, the call's
+    seconds and its reply."""
+    latencies: list[float] = []
+    done = threading.Event()
+
+    def probe() -> None:
+        with httpx.Client(base_url=url, timeout=30) as client:
+            while not done.is_set():
+                started = time.perf_counter()
+                assert client.get("/health/live").status_code == 200
+                latencies.append(time.perf_counter() - started)
+                time.sleep(0.01)
+
+    with ThreadPoolExecutor(1) as pool:
+        probing = pool.submit(probe)
+        time.sleep(0.1)
+        started = time.perf_counter()
+        try:
+            reply = call()
+        finally:
+            took = time.perf_counter() - started
+            done.set()
+        probing.result()
+    return latencies, took, reply
+
+
+def test_a_20_mb_body_leaves_health_polls_answered(server):
+    prompt = b"[" + b"123," * 1_300_000 + b"7]"
+    body = b'{"model": "load", "max_tokens": 1, "prompt_logprobs": 1, "prompt": [' + b",".join([prompt] * 4) + b"]}"
+    assert len(body) > 20_000_000
+    latencies, took, reply = _poll_while(server.http_url, lambda: httpx.post(
+        server.http_url + "/v1/completions", content=body, headers={"content-type": "application/json"}, timeout=120))
+    assert reply.status_code == 400, reply.text[:300]  # vLLM's status for a prompt over max_model_len
+    error = reply.json()["error"]
+    assert error["param"] == "token_ids" and "max_model_len 4096" in error["message"], error
+    assert len(latencies) > 5, (latencies, took)
+    assert max(latencies) < min(1.0, max(0.25, took / 4)), (max(latencies), took)
+    good = httpx.post(server.http_url + "/v1/completions", json={
+        "model": "load", "prompt": [5, 17, 33, 2], "max_tokens": 1, "prompt_logprobs": 2}, timeout=60)
+    assert good.status_code == 200 and len(good.json()["choices"][0]["prompt_logprobs"]) == 4
+
+
+async def _round(http: httpx.AsyncClient, seqs: list[list[int]]) -> int:
+    gate = asyncio.Semaphore(CONCURRENCY)
+
+    async def one(ids: list[int]) -> int:
+        async with gate:
+            answer = await http.post("/v1/completions", json={
+                "model": "load", "prompt": ids, "max_tokens": 1, "prompt_logprobs": TOPK})
+        assert answer.status_code == 200, answer.text[:300]
+        rows = answer.json()["choices"][0]["prompt_logprobs"]
+        assert len(rows) == len(ids) and rows[0] is None
+        return len(ids)
+
+    return sum(await asyncio.gather(*(one(ids) for ids in seqs)))
+
+
+def _front_cpu(proc: psutil.Process) -> float:
+    times = proc.cpu_times()  # the front alone: its replica workers are children, not counted
+    return times.user + times.system
+
+
+async def test_ten_rounds_of_the_same_load_keep_the_fronts_cost_and_memory(server):
+    rng = random.Random(0)
+    seqs = [[rng.randrange(3, 500) for _ in range(PROMPT_TOKENS)] for _ in range(REQUESTS)]
+    front = psutil.Process(server.proc.pid)
+    cpu_per_token, rss = [], []
+    async with httpx.AsyncClient(base_url=server.http_url, timeout=300) as http:
+        await _round(http, seqs[:CONCURRENCY])  # warm-up: tokenizer, decoded-token table
+        for _ in range(ROUNDS):
+            before = _front_cpu(front)
+            tokens = await _round(http, seqs)
+            cpu_per_token.append((_front_cpu(front) - before) / tokens)
+            rss.append(front.memory_info().rss)
+    early, late = min(cpu_per_token[:3]), min(cpu_per_token[-3:])
+    assert late <= early * 1.10, [f"{value * 1e6:.1f} us" for value in cpu_per_token]
+    assert rss[-1] - rss[1] < 24 << 20, [f"{value / 2**20:.1f} MiB" for value in rss]
