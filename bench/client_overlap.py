@@ -25,8 +25,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from proctor.client import TeacherClient
-from proctor.server.engines import EngineSpec, create_engine
-from proctor.server.routing import Replica, ReplicaSet, Router
+from proctor.server.engines.base import EngineSpec
+from proctor.server.engines.factory import create_engine
+from proctor.server.front.routing import Replica, ReplicaSet, Router
 from proctor.server.runtime import ServerThread
 from proctor.server.settings import ServerOptions
 from proctor.server.tiny_model import ensure_default_model

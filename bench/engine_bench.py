@@ -42,8 +42,8 @@ def make_teacher(out: Path, quick: bool) -> Path:
 async def bench_engine(name: str, model: Path, args, seqs: list[list[int]]) -> dict[str, float]:
     from proctor.proto import scoring_pb2
     from proctor.server.config import single_teacher_router
-    from proctor.server.engines import EngineSpec
-    from proctor.server.service import ScoringService
+    from proctor.server.engines.base import EngineSpec
+    from proctor.server.front.service import ScoringService
 
     inference = {"max_model_len": max(2048, args.length + 1), "max_num_batched_tokens": 16384}
     if name == "vllm":

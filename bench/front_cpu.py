@@ -41,7 +41,7 @@ MODES = {
     "top-64": {"logprobs": True, "topk": 64},
     "hidden": {"logprobs": False, "hidden_states": True},
 }
-WORKER_MODULE = "proctor.server.engines.engine_host"
+WORKER_MODULE = "proctor.server.worker.main"
 
 
 def cpu_seconds(proc: psutil.Process) -> float:
@@ -50,7 +50,7 @@ def cpu_seconds(proc: psutil.Process) -> float:
 
 
 def workers_of(front: psutil.Process) -> list[psutil.Process]:
-    """The front's replica workers (engine host processes); their own children are not counted."""
+    """The front's replica workers (replica worker processes); their own children are not counted."""
     return [p for p in front.children() if WORKER_MODULE in " ".join(p.cmdline())]
 
 
@@ -141,17 +141,17 @@ async def serve_front(replicas: int, model: str) -> None:
     """The front with `replicas` workers of the remembering engine (run as its own process)."""
     from functools import partial
 
-    from proctor.server.engines import EngineSpec
-    from proctor.server.engines.subprocess_engine import SubprocessEngine
-    from proctor.server.routing import ReplicaSet, Router, engine_replica
+    from proctor.server.engines.base import EngineSpec
+    from proctor.server.front.routing import ReplicaSet, Router, engine_replica
     from proctor.server.runtime import ProctorServer
     from proctor.server.settings import ServerOptions
+    from proctor.server.worker.client import WorkerClient
 
     from support.remembering import RememberingEngine
 
     spec = EngineSpec(name="torch", model_path=model, inference={"max_model_len": 1024})
     env = {"PYTHONPATH": os.pathsep.join(filter(None, (str(TESTS), os.environ.get("PYTHONPATH"))))}
-    build = [engine_replica(f"r{i}", partial(SubprocessEngine, spec, name=f"r{i}", build=RememberingEngine, env=env))
+    build = [engine_replica(f"r{i}", partial(WorkerClient, spec, name=f"r{i}", build=RememberingEngine, env=env))
              for i in range(replicas)]
     options = ServerOptions(grpc_port=0, http_port=0)
     server = ProctorServer(Router([ReplicaSet("default", build)]), options)

@@ -90,7 +90,8 @@ async def measure(engine, requests, repeat: int) -> tuple[float, float]:
 
 
 async def bench(name: str, model: Path, args) -> None:
-    from proctor.server.engines import EngineSpec, create_engine
+    from proctor.server.engines.base import EngineSpec
+    from proctor.server.engines.factory import create_engine
 
     inference = {"max_model_len": 2048}
     if name == "vllm":

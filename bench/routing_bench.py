@@ -21,8 +21,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from proctor.server.engines import EngineRequest, EngineSpec, create_engine
-from proctor.server.routing import Replica, ReplicaSet
+from proctor.server.engines.base import EngineRequest, EngineSpec
+from proctor.server.engines.factory import create_engine
+from proctor.server.front.routing import Replica, ReplicaSet
 from proctor.server.tiny_model import make_tiny_model
 
 from support.engines import InjectedEngine

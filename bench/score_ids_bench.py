@@ -27,9 +27,9 @@ K = 64
 async def bench(name: str, model: Path, args, seqs: list[list[int]], vocab: int) -> dict[str, tuple[float, float, float]]:
     from proctor.proto import encode_tensor, scoring_pb2
     from proctor.server.config import single_teacher_router
-    from proctor.server.engines import EngineSpec
-    from proctor.server.responses import Responses
-    from proctor.server.service import ScoringService
+    from proctor.server.engines.base import EngineSpec
+    from proctor.server.front.responses import Responses
+    from proctor.server.front.service import ScoringService
 
     inference = {"max_model_len": max(2048, args.length + 1), "max_num_batched_tokens": 16384}
     if name == "vllm":

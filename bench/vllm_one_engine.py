@@ -51,7 +51,7 @@ def tree_pss(pid: int) -> tuple[float, float, float]:
         return {p.pid for c in procs if match(" ".join(c.cmdline()) + c.name()) for p in [c, *c.children(recursive=True)]}
 
     cores = subtree(lambda text: "EngineCore" in text)
-    hosts = subtree(lambda text: "engine_host" in text) or {p.pid for p in procs}
+    hosts = subtree(lambda text: "server.worker.main" in text) or {p.pid for p in procs}
     sizes = {}
     for proc in procs:
         try:

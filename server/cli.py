@@ -66,7 +66,7 @@ def serve(
     dtype: str = typer.Option("auto", help="auto | float32 | bfloat16 | float16"),
     max_topk: int = typer.Option(64, help="Largest top-k a request may ask for."),
     max_model_len: int | None = typer.Option(None, help="Longest sequence (default: the model's)."),
-    replicas: int = typer.Option(1, help="Replicas of the teacher (vLLM engines each run in a host process of their own)."),
+    replicas: int = typer.Option(1, help="Replicas of the teacher (vLLM engines each run in a replica worker of their own)."),
     health_check_interval_s: float = typer.Option(5.0, help="Seconds between health sweeps of the replicas."),
     startup_timeout_s: float = typer.Option(1800.0, help="Seconds a replica may take to start before it fails with its log tail."),
     inference: list[str] = typer.Option([], "--inference", help="Engine setting KEY=VALUE (value parsed as JSON when it can be), e.g. gpu_memory_utilization=0.2; repeatable."),
@@ -91,11 +91,11 @@ def serve(
     # Before anything is built or imported for the engines: their components' releases.
     _refuse_unsupported_versions([engine] if plan is None else [t.spec.name for t in plan.teachers.values()])
 
-    from proctor.server.auth import load_token
     from proctor.server.config import single_teacher_router
-    from proctor.server.engines import EngineError, EngineSpec
+    from proctor.server.engines.base import EngineError, EngineSpec
+    from proctor.server.front.auth import load_token
+    from proctor.server.front.service import Limits
     from proctor.server.runtime import ProctorServer
-    from proctor.server.service import Limits
     from proctor.server.settings import ServerOptions
     from proctor.server.tiny_model import ensure_default_model
 

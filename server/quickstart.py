@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from proctor.server.config import single_teacher_router
-from proctor.server.engines import EngineSpec
+from proctor.server.engines.base import EngineSpec
 from proctor.server.runtime import ServerThread
 from proctor.server.score_cli import format_table, score_once, tokenize
 from proctor.server.settings import ServerOptions

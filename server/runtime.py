@@ -19,12 +19,12 @@ from pathlib import Path
 
 import uvicorn
 
-from proctor.server.auth import TokenAuth
-from proctor.server.grpc_app import GrpcServer
-from proctor.server.http_app import create_app
-from proctor.server.responses import Responses
-from proctor.server.routing import Router
-from proctor.server.service import ScoringService
+from proctor.server.front.auth import TokenAuth
+from proctor.server.front.grpc_app import GrpcServer
+from proctor.server.front.http_app import create_app
+from proctor.server.front.responses import Responses
+from proctor.server.front.routing import Router
+from proctor.server.front.service import ScoringService
 from proctor.server.settings import ServerOptions
 
 log = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from proctor.server.service import Limits
+from proctor.server.front.service import Limits
 
 # Paths of the HTTP port that need no bearer token: probes and scrapers (`/health` is vLLM's
 # readiness probe, which clients written for `vllm serve` call without a token, as vLLM allows).

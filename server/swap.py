@@ -34,7 +34,7 @@ from proctor.server.engines.base import (
     EngineSpec,
     TeacherEngine,
 )
-from proctor.server.engines.torch_engine import TorchEngine
+from proctor.server.engines.torch.engine import TorchEngine
 from proctor.server.metrics import NULL_SINK, MetricsSink
 
 log = logging.getLogger(__name__)

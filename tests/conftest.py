@@ -40,7 +40,7 @@ def other_model_dir(tmp_path_factory) -> Path:
 def torch_server(tiny_model_dir):
     """A real gRPC + HTTP server on loopback with the torch engine on the tiny teacher."""
     from proctor.server.config import single_teacher_router
-    from proctor.server.engines import EngineSpec
+    from proctor.server.engines.base import EngineSpec
     from proctor.server.runtime import ServerThread
     from proctor.server.settings import ServerOptions
 

@@ -52,7 +52,7 @@ def wide_model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def worker_server(wide_model_dir):
     from proctor.server.config import single_teacher_router
-    from proctor.server.engines import EngineSpec
+    from proctor.server.engines.base import EngineSpec
 
     spec = EngineSpec(name="torch", model_path=str(wide_model_dir), inference={"max_model_len": 1024})
     server = start_server(single_teacher_router(spec, name="wide", replicas=1))

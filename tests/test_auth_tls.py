@@ -18,7 +18,7 @@ REQUEST = scoring_pb2.ScoreRequest(token_ids=[1, 2, 3], logprobs=True)
 
 def _server(model_dir, **options):
     from proctor.server.config import single_teacher_router
-    from proctor.server.engines import EngineSpec
+    from proctor.server.engines.base import EngineSpec
     from proctor.server.runtime import ServerThread
     from proctor.server.settings import ServerOptions
 
@@ -77,7 +77,7 @@ def test_closed_metrics_need_the_token(tiny_model_dir):
 
 
 def test_token_loads_from_a_file_or_the_environment(tmp_path, monkeypatch):
-    from proctor.server.auth import load_token
+    from proctor.server.front.auth import load_token
 
     (tmp_path / "token").write_text(" from-file \n")
     assert load_token(token_file=str(tmp_path / "token")) == "from-file"

@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from proctor.proto import scoring_pb2, scoring_pb2_grpc
+from proctor.server.front.service import Limits
 from proctor.server.runtime import ServerThread
-from proctor.server.service import Limits
 from proctor.server.settings import ServerOptions
 
 from support.routers import slow_router

@@ -3,7 +3,7 @@
 The poison is real: an image with `mm_processor_kwargs={"patch_size": 7}` passes the processor
 (it makes 7-px patches, and the token ids carry the placeholders for them) but the tiny
 Qwen2-VL's vision tower, built for 14-px patches, raises a RuntimeError in its forward, inside
-the replica worker's batch. Every replica is a real worker process (`SubprocessEngine`); the
+the replica worker's batch. Every replica is a real worker process (`WorkerClient`); the
 out-of-memory is torch's own `OutOfMemoryError`, raised by the real torch engine for batches
 above four requests (tests/support/faulty_engines.py), in its worker. After each fault, good
 requests are answered exactly and the replica counts are read from /metrics.
@@ -25,12 +25,11 @@ import torch
 from proctor.client import TeacherClient
 from proctor.client.transports import TeacherError
 from proctor.server.config import single_teacher_router
-from proctor.server.engines import EngineSpec
-from proctor.server.engines.base import EngineRequest
-from proctor.server.engines.subprocess_engine import SubprocessEngine
-from proctor.server.routing import ReplicaSet, ReplicaState, Router, engine_replica
+from proctor.server.engines.base import EngineRequest, EngineSpec
+from proctor.server.front.routing import ReplicaSet, ReplicaState, Router, engine_replica
 from proctor.server.runtime import ServerThread
 from proctor.server.settings import ServerOptions
+from proctor.server.worker.client import WorkerClient
 
 from support.multimodal import (
     Sample,
@@ -169,7 +168,7 @@ async def test_the_batch_holding_a_poison_request_is_split_and_its_mates_answere
     rng = np.random.default_rng(12)
     poison = Sample(f"User: {IMAGE} what is this?", images=[png(noise_image(rng, 56, 56))])
     client = TeacherClient(f"grpc://{vl_server.grpc_target}")  # only to build requests the wire's way
-    from proctor.server.validation import validate
+    from proctor.server.front.validation import validate
 
     teacher = vl_server.server.service.router.teachers["vl"]
     wire = [client.build_request(ref.ids, topk=TOPK) for ref in _text_refs(vl_dir, 7)]
@@ -189,7 +188,7 @@ async def test_the_batch_holding_a_poison_request_is_split_and_its_mates_answere
     async def one_batch():
         return await asyncio.gather(*(replica.score(r) for r in requests), return_exceptions=True)
 
-    with caplog.at_level(logging.WARNING, logger="proctor.server.batch_isolation"):
+    with caplog.at_level(logging.WARNING, logger="proctor.server.front.batch_isolation"):
         outcomes = vl_server.call(one_batch())
     assert "a batch of 8 requests failed" in caplog.text and "RuntimeError" in caplog.text
     failed = [i for i, o in enumerate(outcomes) if isinstance(o, BaseException)]
@@ -230,7 +229,7 @@ def oom_server(tiny_model_dir):
 
     spec = EngineSpec(name="torch", model_path=str(tiny_model_dir), max_topk=16)
     path = [str(TESTS), *[p for p in sys.path if p]]
-    replica = engine_replica("oom-0", lambda: SubprocessEngine(
+    replica = engine_replica("oom-0", lambda: WorkerClient(
         spec, name="oom-0", build=build_out_of_memory_above_four, env={"PYTHONPATH": ":".join(path)}))
     router = Router([ReplicaSet("oom", [replica])])
     server = ServerThread(router, ServerOptions(grpc_port=0, http_port=0)).start()
@@ -239,7 +238,7 @@ def oom_server(tiny_model_dir):
 
 
 async def test_an_out_of_memory_batch_is_answered_in_smaller_batches(oom_server, tiny_model_dir, caplog):
-    from proctor.server.validation import validate
+    from proctor.server.front.validation import validate
 
     teacher = oom_server.server.service.router.teachers["oom"]
     texts = _text_ids(16, seed=21)
@@ -249,7 +248,7 @@ async def test_an_out_of_memory_batch_is_answered_in_smaller_batches(oom_server,
     async def one_batch():  # sixteen in one loop turn: one batch of 16, which runs out of memory
         return await asyncio.gather(*(teacher.score(r) for r in requests), return_exceptions=True)
 
-    with caplog.at_level(logging.WARNING, logger="proctor.server.batch_isolation"):
+    with caplog.at_level(logging.WARNING, logger="proctor.server.front.batch_isolation"):
         outcomes = oom_server.call(one_batch())
     assert not [o for o in outcomes if isinstance(o, BaseException)], outcomes
     assert re.search(r"a batch of 16 requests failed \(.*OutOfMemoryError", caplog.text), caplog.text

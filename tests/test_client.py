@@ -105,7 +105,7 @@ async def test_score_many_takes_per_sequence_inputs(torch_server):
 
 async def test_stream_hidden_states_reassembles_many_chunks(tiny_model_dir, torch_server):
     from proctor.server.config import single_teacher_router
-    from proctor.server.engines import EngineSpec
+    from proctor.server.engines.base import EngineSpec
 
     from support.servers import start_server
 

@@ -17,8 +17,8 @@ from proctor.client import (
     Unauthenticated,
 )
 from proctor.server.config import single_teacher_router
-from proctor.server.engines import EngineSpec
-from proctor.server.service import Limits
+from proctor.server.engines.base import EngineSpec
+from proctor.server.front.service import Limits
 
 from support.reference import assert_matches_reference
 from support.routers import slow_router

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from proctor.server.engines import EngineConfigError, EngineSpec, create_engine
+from proctor.server.engines.base import EngineConfigError, EngineSpec
 from proctor.server.engines.checks import (
     check_batched_tokens,
     check_engine_name,
@@ -14,6 +14,7 @@ from proctor.server.engines.checks import (
     check_model_path,
     check_vllm_settings,
 )
+from proctor.server.engines.factory import create_engine
 
 
 def test_max_model_len_must_hold_prompt_response_and_one():

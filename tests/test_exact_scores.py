@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from proctor.server.engines import EngineConfigError, EngineRequest, EngineSpec, create_engine
+from proctor.server.engines.base import EngineConfigError, EngineRequest, EngineSpec
+from proctor.server.engines.factory import create_engine
 
 from support.reference import reference_rows
 
@@ -109,7 +110,7 @@ async def test_torch_engine_refuses_a_model_whose_logits_it_cannot_reproduce(tmp
 
     model_dir = make_tiny_model(tmp_path / "gemma", family="gemma2")
     engine = create_engine(EngineSpec(name="torch", model_path=str(model_dir), dtype="float32"))
-    from proctor.server.engines import torch_engine
+    from proctor.server.engines.torch import engine as torch_engine
 
     monkeypatch.setattr(torch_engine, "logit_transforms", lambda config: torch_engine.LogitTransforms())
     with pytest.raises(EngineConfigError, match="logits are not its lm_head's output"):

@@ -9,8 +9,9 @@ import grpc
 import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from proctor.server.engines import EngineSpec, create_engine
-from proctor.server.routing import Replica, ReplicaSet, Router
+from proctor.server.engines.base import EngineSpec
+from proctor.server.engines.factory import create_engine
+from proctor.server.front.routing import Replica, ReplicaSet, Router
 from proctor.server.runtime import ServerThread
 from proctor.server.settings import ServerOptions
 

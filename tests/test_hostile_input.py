@@ -43,7 +43,7 @@ def stub(torch_server):
 def limited(tiny_model_dir):
     """A server with a bearer token and a 1 MiB message limit (size and auth cases)."""
     from proctor.server.config import single_teacher_router
-    from proctor.server.engines import EngineSpec
+    from proctor.server.engines.base import EngineSpec
     from proctor.server.runtime import ServerThread
     from proctor.server.settings import ServerOptions
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from proctor.server.engines.base import EngineResult
-from proctor.server.engines.wire_result import encode_result
+from proctor.server.front.responses import JSON_INLINE_VALUES, Responses
+from proctor.server.front.service import ScoredRequest
 from proctor.server.metrics import Metrics
-from proctor.server.responses import JSON_INLINE_VALUES, Responses
-from proctor.server.service import ScoredRequest
+from proctor.server.worker.wire import encode_result
 
 from support.reference import reference_rows
 from support.scoring import sequences

@@ -14,10 +14,10 @@ import pytest
 
 from proctor.proto import scoring_pb2, scoring_pb2_grpc
 from proctor.proto.codec import decode_tensor
-from proctor.server.engines import EngineSpec
+from proctor.server.engines.base import EngineSpec
+from proctor.server.front.routing import Replica, ReplicaSet, Router
+from proctor.server.front.service import Limits
 from proctor.server.media import MediaLimits
-from proctor.server.routing import Replica, ReplicaSet, Router
-from proctor.server.service import Limits
 
 from support.engines import MediaTakingEngine
 from support.reference import assert_matches_reference

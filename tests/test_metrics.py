@@ -13,7 +13,7 @@ from proctor.proto import scoring_pb2, scoring_pb2_grpc
 @pytest.fixture
 def fresh_server(tiny_model_dir):
     from proctor.server.config import single_teacher_router
-    from proctor.server.engines import EngineSpec
+    from proctor.server.engines.base import EngineSpec
     from proctor.server.runtime import ServerThread
     from proctor.server.settings import ServerOptions
 
@@ -59,7 +59,7 @@ def test_counts_after_known_traffic_are_exact(fresh_server):
 
 def test_metrics_can_also_be_served_on_their_own_port(tiny_model_dir):
     from proctor.server.config import single_teacher_router
-    from proctor.server.engines import EngineSpec
+    from proctor.server.engines.base import EngineSpec
     from proctor.server.runtime import ServerThread
     from proctor.server.settings import ServerOptions
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from proctor.server.config import load_server_config
-from proctor.server.engines import EngineRequest, EngineSpec
+from proctor.server.engines.base import EngineRequest, EngineSpec
 from proctor.server.runtime import ServerThread
 from proctor.server.swap import SwapGroup
 from proctor.server.tiny_model import make_tiny_model

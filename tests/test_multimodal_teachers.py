@@ -53,7 +53,7 @@ def tiny_multimodal(tmp_path_factory):
 
 def _torch_server(model_dir):
     from proctor.server.config import single_teacher_router
-    from proctor.server.engines import EngineSpec
+    from proctor.server.engines.base import EngineSpec
     from proctor.server.runtime import ServerThread
     from proctor.server.settings import ServerOptions
 

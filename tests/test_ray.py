@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from proctor.server.config import load_server_config
-from proctor.server.routing import ReplicaState
+from proctor.server.front.routing import ReplicaState
 from proctor.server.runtime import ServerThread
 
 from support.configs import cpu_config, torch_teacher, write_config

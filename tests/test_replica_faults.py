@@ -11,12 +11,11 @@ import asyncio
 
 import torch
 
-from proctor.server.engines import EngineSpec
-from proctor.server.engines.base import EngineRequest
-from proctor.server.engines.torch_engine import TorchEngine
+from proctor.server.engines.base import EngineRequest, EngineSpec
+from proctor.server.engines.torch.engine import TorchEngine
+from proctor.server.front.replica_faults import StrikeRecord
+from proctor.server.front.routing import ReplicaSet, ReplicaState, engine_replica
 from proctor.server.metrics import Metrics
-from proctor.server.replica_faults import StrikeRecord
-from proctor.server.routing import ReplicaSet, ReplicaState, engine_replica
 
 from support.reference import reference_rows
 from support.scoring import sequences

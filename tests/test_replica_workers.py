@@ -1,7 +1,7 @@
 """Replica workers: each replica's engine in a process of its own, the front moving bytes.
 
 Two real torch replicas behind one in-process server (the front), each in its own worker
-process (`engine_host`). Faults are real: SIGKILL or SIGSTOP of a worker's process, found by
+process (`worker.main`). Faults are real: SIGKILL or SIGSTOP of a worker's process, found by
 its pid. Answers are checked against the float64 reference while replicas fail under them, and
 the answer bytes the front splices are checked against the messages built field by field.
 """
@@ -18,13 +18,13 @@ import torch
 
 from proctor.proto import decode_tensor, encode_tensor, scoring_pb2
 from proctor.server.engines.base import EngineRequest, EngineResult
-from proctor.server.engines.host_protocol import OUT_OF_BAND_BYTES, dumps, loads
-from proctor.server.engines.subprocess_engine import SubprocessEngine
-from proctor.server.engines.wire_result import EncodedResult, RawRows, encode_result
+from proctor.server.front.responses import Responses
+from proctor.server.front.routing import ReplicaState
+from proctor.server.front.service import ScoredRequest
 from proctor.server.metrics import Metrics
-from proctor.server.responses import Responses
-from proctor.server.routing import ReplicaState
-from proctor.server.service import ScoredRequest
+from proctor.server.worker.client import WorkerClient
+from proctor.server.worker.protocol import OUT_OF_BAND_BYTES, dumps, loads
+from proctor.server.worker.wire import EncodedResult, RawRows, encode_result
 
 from support.reference import assert_matches_reference, reference_rows
 from support.scoring import grpc_score, logprobs_of, sequences
@@ -37,7 +37,7 @@ HEALTH_TIMEOUT_S = 2.0
 @pytest.fixture
 def two_workers(tiny_model_dir):
     from proctor.server.config import single_teacher_router
-    from proctor.server.engines import EngineSpec
+    from proctor.server.engines.base import EngineSpec
 
     spec = EngineSpec(name="torch", model_path=str(tiny_model_dir), max_topk=64,
                       inference={"health_timeout_s": HEALTH_TIMEOUT_S})
@@ -57,7 +57,7 @@ def _worker_pids(server) -> list[int]:
 
 def test_each_torch_replica_runs_in_a_worker_process_of_its_own(two_workers, tiny_model_dir):
     pids = _worker_pids(two_workers)
-    assert all(isinstance(r.engine, SubprocessEngine) for r in _replicas(two_workers))
+    assert all(isinstance(r.engine, WorkerClient) for r in _replicas(two_workers))
     assert len(set(pids)) == 2 and os.getpid() not in pids
     ids = sequences(1, seed=3)[0]
     answer = grpc_score(two_workers.grpc_target, ids, topk=5)

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from proctor.server.errors import Code, ScoringError
-from proctor.server.routing import Replica, ReplicaSet, ReplicaState, Router
+from proctor.server.front.routing import Replica, ReplicaSet, ReplicaState, Router
 
 from support.reference import assert_matches_reference
 from support.routers import InjectedReplicas

@@ -9,10 +9,10 @@ import torch
 from test_vllm_omni_engine import _fake_omni_output, _omni_spec, _request
 
 from proctor.server.engines.base import EngineError, EngineRequest
-from proctor.server.engines.pooled_scores import ScoreAsk, pack, unpack
 from proctor.server.engines.row_scores import score_rows
 from proctor.server.engines.score_ids import FROM_HIDDEN, scores_from_hidden
-from proctor.server.engines.vllm_omni_engine import VllmOmniEngine
+from proctor.server.engines.vllm.pooled_scores import ScoreAsk, pack, unpack
+from proctor.server.engines.vllm_omni.engine import VllmOmniEngine
 
 
 def test_the_pooler_answer_round_trips_every_section():

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from proctor.proto import decode_tensor, scoring_pb2
-from proctor.server.engines.host_protocol import ARENA_MIN_BYTES, frame, parse
-from proctor.server.engines.shared_arena import ArenaReader, ArenaWriter, create_arena, punch_hole
-from proctor.server.engines.wire_result import EncodedResult, RawRows
+from proctor.server.worker.arena import ArenaReader, ArenaWriter, create_arena, punch_hole
+from proctor.server.worker.protocol import ARENA_MIN_BYTES, frame, parse
+from proctor.server.worker.wire import EncodedResult, RawRows
 
 from support.reference import reference_rows
 from support.scoring import sequences
@@ -193,7 +193,7 @@ def test_a_frame_naming_the_arena_needs_one():
 @pytest.fixture(scope="module")
 def worker_server(tiny_model_dir):
     from proctor.server.config import single_teacher_router
-    from proctor.server.engines import EngineSpec
+    from proctor.server.engines.base import EngineSpec
 
     spec = EngineSpec(name="torch", model_path=str(tiny_model_dir), max_topk=64, inference={"max_model_len": 1024})
     server = start_server(single_teacher_router(spec, name="tiny", replicas=1))

@@ -15,7 +15,7 @@ import torch
 from proctor.proto import scoring_pb2, scoring_pb2_grpc
 from proctor.proto.codec import decode_tensor
 from proctor.server.config import single_teacher_router
-from proctor.server.engines import EngineSpec
+from proctor.server.engines.base import EngineSpec
 
 from support.groups import FP32_ATOL, interleaved, make_groups
 from support.reference import reference_rows

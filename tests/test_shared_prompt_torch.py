@@ -13,8 +13,9 @@ import logging
 import pytest
 import torch
 
-from proctor.server.engines import EngineSpec, create_engine
-from proctor.server.engines.torch_prefix import TorchPrefix, reuse_works
+from proctor.server.engines.base import EngineSpec
+from proctor.server.engines.factory import create_engine
+from proctor.server.engines.torch.prefix import TorchPrefix, reuse_works
 from proctor.server.prompt_reuse import PromptCache, ReuseSettingError, ReuseSettings
 
 from support.groups import assert_exact, interleaved, make_groups, request_of
@@ -207,7 +208,7 @@ def _reads_pairs_in_another_order(monkeypatch):
 async def test_cache_internals_that_misbehave_turn_reuse_off_with_one_line(misbehave, monkeypatch, caplog,
                                                                            tiny_model_dir):
     misbehave(monkeypatch)
-    with caplog.at_level(logging.WARNING, logger="proctor.server.engines.torch_prefix"):
+    with caplog.at_level(logging.WARNING, logger="proctor.server.engines.torch.prefix"):
         engine = await _engine(tiny_model_dir)  # starts: the replica does not fail
     try:
         lines = [r.getMessage() for r in caplog.records if "prompt reuse off" in r.getMessage()]
@@ -224,7 +225,7 @@ async def test_cache_internals_that_misbehave_turn_reuse_off_with_one_line(misbe
 
 
 async def test_the_real_internals_pass_the_probe_and_reuse_stays_on(caplog, tiny_model_dir):
-    with caplog.at_level(logging.WARNING, logger="proctor.server.engines.torch_prefix"):
+    with caplog.at_level(logging.WARNING, logger="proctor.server.engines.torch.prefix"):
         for dtype in ("float32", "bfloat16"):
             engine = create_engine(EngineSpec(name="torch", model_path=str(tiny_model_dir), dtype=dtype,
                                               inference=REUSE))

@@ -18,9 +18,9 @@ import asyncio
 import pytest
 import torch
 
-from proctor.server.engines import EngineSpec, create_engine
-from proctor.server.engines.base import EngineRequest, RequestAborted
-from proctor.server.engines.vllm_prefix import Decision, decide
+from proctor.server.engines.base import EngineRequest, EngineSpec, RequestAborted
+from proctor.server.engines.factory import create_engine
+from proctor.server.engines.vllm.prefix import Decision, decide
 
 from support.groups import assert_exact, interleaved, make_groups, request_of
 from support.reference import reference_rows
@@ -137,7 +137,7 @@ async def test_reuse_off_reads_no_cache(model_dir):
     engine = create_engine(EngineSpec(name="vllm", model_path=str(model_dir), device="cpu", dtype="float32",
                                       inference={**INFERENCE, "prompt_reuse": False}))
     assert engine._lane is None and not engine._reuse.enabled
-    from proctor.server.engines.vllm_args import engine_args_from_settings
+    from proctor.server.engines.vllm.args import engine_args_from_settings
 
     assert engine_args_from_settings(engine.spec, max_logprobs=8, prefix_caching=False)["enable_prefix_caching"] is False
 

@@ -15,7 +15,7 @@ from support.reference import reference_rows
 def wide_server(tmp_path_factory):
     """A teacher with hidden size 2048: 8 KiB of float32 per row."""
     from proctor.server.config import single_teacher_router
-    from proctor.server.engines import EngineSpec
+    from proctor.server.engines.base import EngineSpec
     from proctor.server.runtime import ServerThread
     from proctor.server.settings import ServerOptions
     from proctor.server.tiny_model import make_tiny_model

@@ -15,7 +15,7 @@ import torch
 
 from proctor.client import TeacherClient
 from proctor.server.config import single_teacher_router
-from proctor.server.engines import EngineSpec
+from proctor.server.engines.base import EngineSpec
 from proctor.server.engines.checkpoint import load_unembedding, own_output_embedding_names
 from proctor.server.runtime import ServerThread
 from proctor.server.settings import ServerOptions

@@ -17,7 +17,7 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
 from proctor.proto import versions
-from proctor.server.engines import EngineConfigError
+from proctor.server.engines.base import EngineConfigError
 
 from support.configs import cpu_config, torch_teacher, write_config
 
@@ -55,7 +55,7 @@ def test_what_ci_installs_is_what_the_table_claims():
 
 def test_the_lowest_claimed_python_is_the_one_running_the_suite():
     """Claim only what runs: the suite's Python is the lowest Requires-Python allows (on CI), and
-    the release before it is refused (3.10: server/service.py uses asyncio.timeout)."""
+    the release before it is refused (3.10: server/front/service.py uses asyncio.timeout)."""
     (row,) = versions.claims("python")
     (lower,) = [s for s in row.specifier if s.operator == ">="]
     running = f"{sys.version_info.major}.{sys.version_info.minor}"
@@ -80,7 +80,7 @@ def test_a_mismatch_names_the_installed_and_the_supported_release():
 
 
 def test_the_vllm_adapter_checks_against_the_same_table():
-    from proctor.server.engines.vllm_adapter import SUPPORTED_VLLM, check_vllm_version
+    from proctor.server.engines.vllm.adapter import SUPPORTED_VLLM, check_vllm_version
 
     assert versions.pinned("vllm") == SUPPORTED_VLLM
     with pytest.raises(EngineConfigError) as refused:

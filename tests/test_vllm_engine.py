@@ -17,12 +17,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from proctor.server.engines import EngineConfigError, EngineRequest, EngineSpec, create_engine
-from proctor.server.engines.base import EngineError
+from proctor.server.engines.base import EngineConfigError, EngineError, EngineRequest, EngineSpec
 from proctor.server.engines.checkpoint import load_unembedding
-from proctor.server.engines.prompt_logprobs import extract_rows, hidden_rows, topk_by_rank
-from proctor.server.engines.subprocess_engine import engine_environment
-from proctor.server.engines.vllm_args import engine_args_from_settings, resolve_max_logprobs
+from proctor.server.engines.factory import create_engine
+from proctor.server.engines.vllm.args import engine_args_from_settings, resolve_max_logprobs
+from proctor.server.engines.vllm_omni.prompt_logprobs import extract_rows, hidden_rows, topk_by_rank
+from proctor.server.worker.client import engine_environment
 
 # One event loop for every async test: vLLM's output handler lives on the loop that first used
 # the engine, so tests must run on the session fixtures' loop.
@@ -209,7 +209,7 @@ async def test_requests_beyond_the_engine_are_that_requests_error_only(vllm_engi
 async def test_vllms_own_validation_error_is_a_request_error(vllm_engine):
     """Past proctor's own checks, vLLM's VLLMValidationError (a prompt past max_model_len)
     is still that request's INVALID_ARGUMENT, never a replica failure."""
-    from proctor.server.engines.vllm_errors import classify_error
+    from proctor.server.engines.vllm.errors import classify_error
 
     request = _request(0, torch.randint(3, 512, (2049,)))
     with pytest.raises(Exception) as raised:
@@ -224,7 +224,7 @@ async def test_vllms_own_validation_error_is_a_request_error(vllm_engine):
 async def test_an_api_mismatch_with_vllm_is_a_server_fault_not_the_callers(vllm_engine, monkeypatch):
     """A vLLM whose PoolingParams lacks a field proctor passes raises TypeError on every request:
     that is the server's fault (RequestFailed, INTERNAL naming the cause), not the caller's 422."""
-    from proctor.server.engines import vllm_engine as module
+    from proctor.server.engines.vllm import engine as module
 
     AsyncEngineArgs, AsyncLLM, _current, TokensPrompt = module.engine_classes()
 
@@ -247,7 +247,7 @@ def test_vllm_errors_are_sorted_by_vllms_own_types():
     from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
     from proctor.server.engines.base import EngineError, RequestFailed, RequestRejected
-    from proctor.server.engines.vllm_errors import classify_error, input_error
+    from proctor.server.engines.vllm.errors import classify_error, input_error
 
     request = _request(0, _sequences(1, 10)[0])
     rejected = classify_error(request, VLLMValidationError("prompt too long", parameter="prompt", value=2049))
@@ -426,7 +426,7 @@ def test_retired_two_engine_settings_are_refused_with_what_to_change(tmp_path):
 
 
 def test_an_unsupported_vllm_release_is_refused_naming_both_versions():
-    from proctor.server.engines.vllm_adapter import SUPPORTED_VLLM, check_vllm_version
+    from proctor.server.engines.vllm.adapter import SUPPORTED_VLLM, check_vllm_version
 
     with pytest.raises(EngineConfigError, match=r"vLLM 0\.10\.1 is installed, but proctor supports vLLM 0\.32\.0"):
         check_vllm_version("0.10.1")
@@ -435,7 +435,7 @@ def test_an_unsupported_vllm_release_is_refused_naming_both_versions():
 
 @session_loop
 async def test_the_record_of_aborted_keys_is_bounded(tmp_path):
-    from proctor.server.engines.vllm_common import ABORTED_KEPT
+    from proctor.server.engines.vllm.family import ABORTED_KEPT
 
     engine = create_engine(EngineSpec(name="vllm", model_path=str(_make(tmp_path / "m"))))
     loop = asyncio.get_running_loop()

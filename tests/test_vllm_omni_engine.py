@@ -19,19 +19,22 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from proctor.server.engines import EngineConfigError, EngineRequest, EngineSpec, create_engine
-from proctor.server.engines import vllm_omni_engine as omni_mod
 from proctor.server.engines.base import (
+    EngineConfigError,
     EngineError,
+    EngineRequest,
+    EngineSpec,
     MediaItem,
     MultiModalInputs,
     RequestAborted,
     RequestFailed,
     RequestRejected,
 )
-from proctor.server.engines.omni_config import PIPELINES, deploy_config, stage_config
-from proctor.server.engines.omni_stages import classify_stage_error
-from proctor.server.engines.vllm_omni_engine import VllmOmniEngine, build_prompt, extract_hidden, stage_output
+from proctor.server.engines.factory import create_engine
+from proctor.server.engines.vllm_omni import engine as omni_mod
+from proctor.server.engines.vllm_omni.config import PIPELINES, deploy_config, stage_config
+from proctor.server.engines.vllm_omni.engine import VllmOmniEngine, build_prompt, extract_hidden, stage_output
+from proctor.server.engines.vllm_omni.stages import classify_stage_error
 
 from omni_fakes import CLIENT_ERROR, ENGINE_ERROR, IMAGE, SLOW, FakeAsyncOmni, fake_omni, legacy_max_num_seqs
 
@@ -90,7 +93,7 @@ async def _until(predicate, timeout=BOUND_S):
 
 
 def test_omni_requires_ar_output_mode_and_a_known_pipeline():
-    from proctor.server.engines.omni_config import omni_pipeline
+    from proctor.server.engines.vllm_omni.config import omni_pipeline
 
     assert omni_pipeline(_omni_spec()).model_arch == "Qwen3OmniMoeForConditionalGeneration"
     with pytest.raises(EngineConfigError, match='output_mode="ar"'):

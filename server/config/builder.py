@@ -11,12 +11,12 @@ from functools import partial
 from pathlib import Path
 
 from proctor.server.config.plan import ServingPlan, load_plan
-from proctor.server.engines import EngineSpec
+from proctor.server.engines.base import EngineSpec
 from proctor.server.pool import ReplicaGroupPlan
 from proctor.server.prompt_reuse import ReuseSettings
 
 if typing.TYPE_CHECKING:
-    from proctor.server.routing import Router
+    from proctor.server.front.routing import Router
     from proctor.server.settings import ServerOptions
 
 
@@ -36,14 +36,14 @@ def _replica_spec(spec: EngineSpec, group: ReplicaGroupPlan, kind: str, *, in_pr
 
 def build_router(plan: ServingPlan) -> Router:
     """Teachers with their replicas (in-process engines, swap groups or Ray actors) behind a Router."""
-    from proctor.server.engines import create_replica_engine
-    from proctor.server.routing import Replica, ReplicaSet, RestartPolicy, Router, engine_replica
+    from proctor.server.engines.factory import create_replica_engine
+    from proctor.server.front.routing import Replica, ReplicaSet, RestartPolicy, Router, engine_replica
     from proctor.server.swap import SwapGroup, SwappedTeacherEngine
 
     server = plan.config.server
     ray_pool = None
     if server.ray.enabled:
-        from proctor.server.ray_replica import RayPool
+        from proctor.server.worker.ray_actor import RayPool
 
         ray_pool = RayPool(plan.placement, server.ray)
     try:
@@ -95,8 +95,8 @@ def build_router(plan: ServingPlan) -> Router:
 
 
 def server_options(plan: ServingPlan, *, host: str | None = None) -> ServerOptions:
-    from proctor.server.auth import load_token
-    from proctor.server.service import Limits
+    from proctor.server.front.auth import load_token
+    from proctor.server.front.service import Limits
     from proctor.server.settings import ServerOptions
 
     s = plan.config.server
@@ -131,9 +131,9 @@ def single_teacher_router(
     spec: EngineSpec, *, name: str = "default", replicas: int = 1, health_check_interval_s: float | None = 5.0
 ) -> Router:
     """What `proctor serve --model` runs: one teacher of `replicas` replicas (vLLM engines each
-    in a host process of its own), routed by its name."""
-    from proctor.server.engines import create_replica_engine
-    from proctor.server.routing import ReplicaSet, Router, engine_replica
+    in a replica worker of its own), routed by its name."""
+    from proctor.server.engines.factory import create_replica_engine
+    from proctor.server.front.routing import ReplicaSet, Router, engine_replica
 
     ids = [f"{name}-{i}" for i in range(replicas)]
     replica_set = [engine_replica(i, partial(create_replica_engine, spec, name=i)) for i in ids]

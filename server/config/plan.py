@@ -19,7 +19,7 @@ from proctor.server.config.schema import (
     ServerBlock,
     TeacherModelConfig,
 )
-from proctor.server.engines import EngineConfigError, EngineSpec
+from proctor.server.engines.base import EngineConfigError, EngineSpec
 from proctor.server.engines.checks import check_model_path
 from proctor.server.fingerprint import model_architecture
 from proctor.server.pool import PlacementError, PlacementPlan, TeacherDemand, plan_placement
@@ -98,7 +98,8 @@ def _engine_problems(
     Each check raises on its own, so they are called one by one to collect every problem; their
     messages name the `inference.*` setting, prefixed here with the teacher's path.
     """
-    from proctor.server.engines import EngineConfigError, checks
+    from proctor.server.engines import checks
+    from proctor.server.engines.base import EngineConfigError
 
     inf = teacher.inference
     lengths = (inf.prompt_length, inf.response_length)

@@ -1,76 +1,9 @@
-"""Teacher engines behind one protocol; `create_engine` picks one by its config name.
+"""The teacher engines: what scores a batch of sequences on a replica's devices.
 
-Engines import lazily: vLLM and vLLM-Omni are optional extras and heavy to import.
-`create_replica_engine` is what a server replica runs: every engine in a replica worker process
-of its own (`SubprocessEngine`), so the front process runs no engine's Python and each
-replica's processes get its own visible devices. `inference.replica_worker: false` keeps a
-torch replica in the front process (one process to debug; its forward pass then shares the
-front's interpreter with the transports).
+`base` is the contract every engine keeps (requests, results, the two error kinds) and
+`factory` picks one by `inference.name`; the shared pieces (`checkpoint`, `checks`,
+`logit_transforms`, `row_scores`, `score_ids`, `multimodal`) serve every family. One folder per
+family: `torch/` (plain PyTorch + transformers), `vllm/` (one vLLM pooling engine with proctor's
+scoring model), `vllm_omni/` (vLLM-Omni's AR stage). An engine runs in a replica worker
+(`proctor.server.worker`), never knowing the transports.
 """
-
-from __future__ import annotations
-
-from proctor.server.engines.base import (
-    EngineError,
-    EngineInfo,
-    EngineRequest,
-    EngineResult,
-    EngineSpec,
-    MediaItem,
-    MultiModalInputs,
-    TeacherEngine,
-)
-
-ENGINE_NAMES = ("torch", "vllm", "vllm_omni")
-# Engines that spawn processes of their own, which must inherit the replica's environment:
-# always in a worker, whatever `inference.replica_worker` says.
-SPAWNING_ENGINES = ("vllm", "vllm_omni")
-
-
-class EngineConfigError(ValueError):
-    """A teacher's engine settings cannot work; the message says what to change."""
-
-
-def create_engine(spec: EngineSpec) -> TeacherEngine:
-    """Build (not start) the engine that spec names."""
-    if spec.name == "torch":
-        from proctor.server.engines.torch_engine import TorchEngine
-
-        return TorchEngine(spec)
-    if spec.name == "vllm":
-        from proctor.server.engines.vllm_engine import VllmEngine
-
-        return VllmEngine(spec)
-    if spec.name == "vllm_omni":
-        from proctor.server.engines.vllm_omni_engine import VllmOmniEngine
-
-        return VllmOmniEngine(spec)
-    raise EngineConfigError(
-        f"unknown engine {spec.name!r} (inference.name): choose one of {', '.join(ENGINE_NAMES)}"
-    )
-
-
-def create_replica_engine(spec: EngineSpec, *, name: str = "") -> TeacherEngine:
-    """The engine one replica of this server runs: in a replica worker process of its own."""
-    in_front = (spec.inference or {}).get("replica_worker") is False and spec.name not in SPAWNING_ENGINES
-    if spec.name not in ENGINE_NAMES or in_front:
-        return create_engine(spec)  # an unknown name fails here, with the list of engines
-    from proctor.server.engines.subprocess_engine import SubprocessEngine
-
-    return SubprocessEngine(spec, name=name)
-
-
-__all__ = [
-    "ENGINE_NAMES",
-    "EngineConfigError",
-    "EngineError",
-    "EngineInfo",
-    "EngineRequest",
-    "EngineResult",
-    "EngineSpec",
-    "MediaItem",
-    "MultiModalInputs",
-    "TeacherEngine",
-    "create_engine",
-    "create_replica_engine",
-]

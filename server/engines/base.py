@@ -25,6 +25,16 @@ import torch
 DEFAULT_TOKEN_BUDGET = 8192
 
 
+ENGINE_NAMES = ("torch", "vllm", "vllm_omni")
+# Engines that spawn processes of their own, which must inherit the replica's environment:
+# always in a worker, whatever `inference.replica_worker` says.
+SPAWNING_ENGINES = ("vllm", "vllm_omni")
+
+
+class EngineConfigError(ValueError):
+    """A teacher's engine settings cannot work; the message says what to change."""
+
+
 @dataclass(frozen=True)
 class MediaItem:
     """One encoded media item as the rollout sent it (bytes plus its media type)."""

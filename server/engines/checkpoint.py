@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from proctor.server.engines import EngineConfigError
 from proctor.server.engines.base import (
+    EngineConfigError,
     EngineError,
 )
 from proctor.server.engines.checks import check_model_path

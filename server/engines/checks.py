@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from proctor.server.engines import ENGINE_NAMES, EngineConfigError
+from proctor.server.engines.base import ENGINE_NAMES, EngineConfigError
 
 
 def check_engine_name(name: str) -> None:

@@ -18,8 +18,16 @@ from typing import Any
 
 import torch
 
-from proctor.server.engines import EngineError, EngineResult, EngineSpec, TeacherEngine, create_engine
-from proctor.server.engines.base import EngineInfo, EngineRequest, Outcome
+from proctor.server.engines.base import (
+    EngineError,
+    EngineInfo,
+    EngineRequest,
+    EngineResult,
+    EngineSpec,
+    Outcome,
+    TeacherEngine,
+)
+from proctor.server.engines.factory import create_engine
 
 
 class InjectedEngine(TeacherEngine):

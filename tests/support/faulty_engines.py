@@ -1,6 +1,6 @@
 """Real torch engines with an injected device fault, built in a replica worker process.
 
-`SubprocessEngine(build=...)` pickles the build function into the worker, so these must be
+`WorkerClient(build=...)` pickles the build function into the worker, so these must be
 importable there (the test puts tests/ on the worker's PYTHONPATH). The scores are the real
 engine's; only the fault is injected, as the device would raise it.
 """
@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from proctor.server.engines import EngineSpec
-from proctor.server.engines.base import EngineRequest, Outcome
-from proctor.server.engines.torch_engine import TorchEngine
+from proctor.server.engines.base import EngineRequest, EngineSpec, Outcome
+from proctor.server.engines.torch.engine import TorchEngine
 
 # Batches larger than this run out of memory.
 OOM_ABOVE_REQUESTS = 4

@@ -4,14 +4,14 @@ The front's capacity is what it sustains when its replicas cost nothing, so the 
 engine that answers at once. This one scores each distinct request with the real torch engine
 the first time and replays that answer (in wire form, as a replica worker sends it) whenever
 the same request comes again: answers stay exact, and a bench that repeats its sequences
-measures the front alone. It runs inside replica workers (`SubprocessEngine(build=...)`).
+measures the front alone. It runs inside replica workers (`WorkerClient(build=...)`).
 """
 
 from __future__ import annotations
 
-from proctor.server.engines import EngineSpec, create_engine
-from proctor.server.engines.base import EngineRequest, EngineResult, Outcome
-from proctor.server.engines.wire_result import EncodedResult, encode_result
+from proctor.server.engines.base import EngineRequest, EngineResult, EngineSpec, Outcome
+from proctor.server.engines.factory import create_engine
+from proctor.server.worker.wire import EncodedResult, encode_result
 
 from support.engines import InjectedEngine
 

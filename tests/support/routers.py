@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from proctor.server.engines import EngineSpec, TeacherEngine, create_engine
-from proctor.server.routing import Replica, ReplicaSet, RestartPolicy, Router
+from proctor.server.engines.base import EngineSpec, TeacherEngine
+from proctor.server.engines.factory import create_engine
+from proctor.server.front.routing import Replica, ReplicaSet, RestartPolicy, Router
 from proctor.server.runtime import ServerThread
 
 from support.engines import InjectedEngine

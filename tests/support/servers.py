@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from proctor.server.routing import Router
+from proctor.server.front.routing import Router
 from proctor.server.runtime import ServerThread
 from proctor.server.settings import ServerOptions
 
@@ -134,14 +134,14 @@ class SubprocessServer:
 def engine_cores(server: SubprocessServer) -> dict:
     """replica id -> the vLLM EngineCore process of that replica of a `proctor serve` process.
 
-    Each vLLM replica runs in an engine host (`proctor.server.engines.engine_host`) that logs
-    "<replica>: vllm engine ready in host process <pid>"; its EngineCore is a child of the host.
+    Each vLLM replica runs in an engine host (`proctor.server.worker.main`) that logs
+    "<replica>: vllm engine ready in replica worker <pid>"; its EngineCore is a child of the replica worker.
     """
     import psutil
 
     hosts = {}
     for line in server.log:
-        match = re.search(r"(\S+): vllm engine ready in host process (\d+)", line)
+        match = re.search(r"(\S+): vllm engine ready in replica worker (\d+)", line)
         if match:
             hosts[int(match.group(2))] = match.group(1)
     cores = {}

@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 
 from proctor.proto import torch_dtype
-from proctor.server.engines import EngineConfigError
 from proctor.server.engines.base import (
     DEFAULT_TOKEN_BUDGET,
+    EngineConfigError,
     EngineError,
     EngineInfo,
     EngineRequest,
@@ -33,8 +33,8 @@ from proctor.server.engines.base import (
 from proctor.server.engines.logit_transforms import LogitTransforms, logit_transforms
 from proctor.server.engines.multimodal import check_counts
 from proctor.server.engines.row_scores import score_rows
-from proctor.server.engines.torch_media import PreparedMedia, TorchMedia, is_multimodal, load_multimodal_model
-from proctor.server.engines.torch_prefix import TorchPrefix, batch_cache, reuse_works, supports_prompt_cache
+from proctor.server.engines.torch.media import PreparedMedia, TorchMedia, is_multimodal, load_multimodal_model
+from proctor.server.engines.torch.prefix import TorchPrefix, batch_cache, reuse_works, supports_prompt_cache
 from proctor.server.fingerprint import model_fingerprint
 from proctor.server.prompt_reuse import ReuseSettings
 

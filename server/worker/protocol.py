@@ -3,11 +3,11 @@
 A frame is an 8-byte little-endian length, then a count of out-of-band buffers, the pickle's
 length, each buffer's length and place, the pickle, and the buffers that travel in the frame: a
 buffer's place is 0 in the frame, or 1 + its offset in the worker's shared arena
-(`shared_arena`: where the worker puts the large buffers of its replies, so the front reads them
+(`worker.arena`: where the worker puts the large buffers of its replies, so the front reads them
 without a socket copy). Pickle, because what travels is the engine protocol's
 own dataclasses (requests, outcomes) between two processes of one installation that trust each
 other (the worker is the front's own child, on a socket pair nobody else holds). Results travel
-in wire form (`wire_result.EncodedResult`, a few `bytes`); the large ones (a top-64 answer, hidden
+in wire form (`wire.EncodedResult`, a few `bytes`); the large ones (a top-64 answer, hidden
 states) go out of band (pickle protocol 5), so the reader gets them as views of the one buffer
 the socket was read into (`Channel`, an asyncio buffered protocol): one copy from the kernel
 and none in Python. A CPU torch tensor (a request's token ids) pickles as its raw bytes, dtype
@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from proctor.proto import DTYPES
-from proctor.server.engines.shared_arena import ArenaReader, ArenaWriter
+from proctor.server.worker.arena import ArenaReader, ArenaWriter
 
 log = logging.getLogger(__name__)
 

@@ -30,14 +30,14 @@ from typing import Any
 
 import torch
 
-from proctor.server.engines.pooled_scores import ScoreAsk, pack
 from proctor.server.engines.row_scores import RowScores, score_rows
-from proctor.server.engines.vllm_adapter import (
+from proctor.server.engines.vllm.adapter import (
     SCORING_TASK,
     model_registry,
     pooler_base,
     pooling_model_interface,
 )
+from proctor.server.engines.vllm.pooled_scores import ScoreAsk, pack
 
 PREFIX = "ProctorScoring"
 # What vLLM's memory profiling run (requests without an ask) scores: every row, a top-k and the

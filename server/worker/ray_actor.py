@@ -2,8 +2,8 @@
 
 With `server.ray.enabled`, the placement plan maps onto Ray. Each replica's engine runs in
 an actor; the service talks to it through `RayEngine`, an ordinary `TeacherEngine` whose
-`score()` is a remote call. The actor is a replica worker like a local one (`engine_host`):
-it answers results in wire form (`wire_result.EncodedResult`, a few `bytes` objects through
+`score()` is a remote call. The actor is a replica worker like a local one (`worker.main`):
+it answers results in wire form (`wire.EncodedResult`, a few `bytes` objects through
 Ray's object store), so the front only splices them into answers.
 
 Two shapes of placement group:
@@ -60,8 +60,8 @@ from proctor.server.engines.base import (
     Outcome,
     TeacherEngine,
 )
-from proctor.server.engines.wire_result import encode_outcomes
 from proctor.server.pool import VISIBLE_DEVICES_ENV, PlacementPlan, ReplicaGroupPlan
+from proctor.server.worker.wire import encode_outcomes
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class EngineActor:
     def __init__(self, spec: EngineSpec) -> None:
         import os
 
-        from proctor.server.engines import create_engine
+        from proctor.server.engines.factory import create_engine
 
         if spec.placement_group is not None:
             # The actor of a spanning replica holds no device, and Ray hides every device from

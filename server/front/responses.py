@@ -21,9 +21,9 @@ from collections.abc import Iterator
 import torch
 
 from proctor.proto import dtype_name, iter_row_chunks, rows_per_chunk, scoring_pb2
-from proctor.server.engines.wire_result import EncodedResult, RawRows, encode_result
+from proctor.server.front.service import ScoredRequest
 from proctor.server.metrics import MetricsSink
-from proctor.server.service import ScoredRequest
+from proctor.server.worker.wire import EncodedResult, RawRows, encode_result
 
 _LEN = 2  # protobuf's wire type of length-delimited fields
 _HIDDEN = scoring_pb2.ScoreResponse.DESCRIPTOR.fields_by_name["hidden_states"].number

@@ -32,7 +32,6 @@ from typing import Any
 
 from proctor.proto import scoring_pb2
 from proctor.proto.routing_keys import UnroutableKey, key_table, route_key
-from proctor.server.batcher import Batcher
 from proctor.server.engines.base import (
     EngineInfo,
     EngineRequest,
@@ -44,9 +43,10 @@ from proctor.server.engines.base import (
     describe_fault,
 )
 from proctor.server.errors import NOT_READY_RETRY_S, Code, ScoringError
+from proctor.server.front.batcher import Batcher
+from proctor.server.front.replica_faults import RETRIES_AFTER_FAULT, StrikeRecord
 from proctor.server.metrics import NULL_SINK, MetricsSink
 from proctor.server.prompt_reuse import PromptAffinity, ReuseSettings
-from proctor.server.replica_faults import RETRIES_AFTER_FAULT, StrikeRecord
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Why a process: the front process serves every replica of a server, so nothing per token may
 run there (a vLLM replica's output processing, the torch engine's forward pass and its Python
-would share the front's interpreter with the transports); the worker (`engine_host`) runs the
+would share the front's interpreter with the transports); the worker (`worker.main`) runs the
 engine and answers results already in wire form. And a vLLM replica spawns its EngineCore
 (and, with TP > 1, its workers), which inherit the environment of the process that spawns
 them: several replicas of one server need several `CUDA_VISIBLE_DEVICES` /
@@ -44,9 +44,9 @@ from proctor.server.engines.base import (
     Outcome,
     TeacherEngine,
 )
-from proctor.server.engines.host_protocol import Channel
-from proctor.server.engines.shared_arena import create_arena
 from proctor.server.pool import VISIBLE_DEVICES_ENV
+from proctor.server.worker.arena import create_arena
+from proctor.server.worker.protocol import Channel
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +74,8 @@ def host_spec(spec: EngineSpec) -> EngineSpec:
     return replace(spec, device=kind) if kind in VISIBLE_DEVICES_ENV else spec
 
 
-class SubprocessEngine(TeacherEngine):
-    """`engine_host` as a child process, spoken to over a socket pair.
+class WorkerClient(TeacherEngine):
+    """`worker.main` as a child process, spoken to over a socket pair.
 
     `build` makes the worker's engine from the spec there (default `create_engine`); it travels
     pickled, so it must be importable in the worker (`env` may extend its PYTHONPATH)."""
@@ -110,7 +110,7 @@ class SubprocessEngine(TeacherEngine):
     # -- lifecycle -------------------------------------------------------------------------
     @property
     def pid(self) -> int | None:
-        """The host process's pid (its process group holds the engine's own processes)."""
+        """The replica worker's pid (its process group holds the engine's own processes)."""
         return self._proc.pid if self._proc is not None else None
 
     def log_tail(self) -> str:
@@ -119,12 +119,12 @@ class SubprocessEngine(TeacherEngine):
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         ours, theirs = socket.socketpair()
-        arena = create_arena()  # the worker's large reply buffers come through it (`shared_arena`)
+        arena = create_arena()  # the worker's large reply buffers come through it (`worker.arena`)
         fds = (theirs.fileno(),) if arena is None else (theirs.fileno(), arena)
         env = {**os.environ, **engine_environment(self.spec), **self.extra_env, "PYTHONUNBUFFERED": "1"}
         try:
             self._proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "proctor.server.engines.engine_host", *map(str, fds),
+                sys.executable, "-m", "proctor.server.worker.main", *map(str, fds),
                 pass_fds=fds, env=env, start_new_session=True,
                 stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
             )
@@ -156,7 +156,7 @@ class SubprocessEngine(TeacherEngine):
         except BaseException:
             await self.close()
             raise
-        log.info("%s: %s engine ready in host process %d", self.name, self.spec.name, self.pid)
+        log.info("%s: %s engine ready in replica worker %d", self.name, self.spec.name, self.pid)
 
     async def close(self) -> None:
         proc = self._proc
@@ -245,7 +245,7 @@ class SubprocessEngine(TeacherEngine):
     async def _watch_exit(self) -> None:
         assert self._proc is not None
         code = await self._proc.wait()
-        self._exit = f"host process exited with code {code}"
+        self._exit = f"replica worker exited with code {code}"
         error = EngineError(f"{self.name}: engine {self._exit}; its last output:\n{self.log_tail()}")
         if self._ready is not None and not self._ready.done():
             self._ready.set_exception(error)

@@ -22,8 +22,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from proctor.server.batch_isolation import score_isolating
 from proctor.server.engines.base import EngineRequest, EngineResult, TeacherEngine
+from proctor.server.front.batch_isolation import score_isolating
 from proctor.server.metrics import NULL_SINK, MetricsSink
 
 log = logging.getLogger(__name__)

@@ -76,7 +76,7 @@ class VllmMedia:
         prompt = self.token_prompt(request)
         if not request.media:
             return prompt
-        from proctor.server.engines.vllm_adapter import render_tokens_prompt
+        from proctor.server.engines.vllm.adapter import render_tokens_prompt
 
         engine_input = await render_tokens_prompt(engine, prompt)
         self.check_expansion(request, list(engine_input["prompt_token_ids"]))

@@ -23,7 +23,7 @@ import torch
 
 from proctor.proto import WIRE_DTYPES, encode_tensor, scoring_pb2
 from proctor.server.engines.base import EngineResult, Outcome
-from proctor.server.engines.host_protocol import out_of_band
+from proctor.server.worker.protocol import out_of_band
 
 # EngineResult fields that travel inside the ScoreResponse bytes, and their wire dtype.
 SMALL_OUTPUTS = {

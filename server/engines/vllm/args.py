@@ -11,8 +11,8 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from proctor.server.engines import EngineConfigError
 from proctor.server.engines.base import (
+    EngineConfigError,
     EngineRequest,
     EngineSpec,
     serving_dtype,

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from proctor.server.engines.base import EngineRequest
-from proctor.server.engines.pooled_scores import PooledScores
+from proctor.server.engines.vllm.pooled_scores import PooledScores
 from proctor.server.prompt_reuse import PromptCache, ReuseSettings, prompt_key
 
 log = logging.getLogger(__name__)

@@ -28,7 +28,7 @@ from proctor.server.engines.base import (
     RequestRejected,
     describe_fault,
 )
-from proctor.server.engines.vllm_adapter import vllm_error_types
+from proctor.server.engines.vllm.adapter import vllm_error_types
 
 log = logging.getLogger(__name__)
 

@@ -11,11 +11,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from proctor.server.engines import EngineConfigError
 from proctor.server.engines.base import (
+    EngineConfigError,
     EngineSpec,
 )
-from proctor.server.engines.vllm_args import (
+from proctor.server.engines.vllm.args import (
     SETTING_TO_ENGINE_ARG,
     engine_kwargs_of,
 )

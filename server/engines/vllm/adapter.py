@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from proctor.proto import versions
-from proctor.server.engines import EngineConfigError
+from proctor.server.engines.base import EngineConfigError
 
 SUPPORTED_VLLM = versions.pinned("vllm")
 

@@ -18,7 +18,7 @@ from proctor.server.engines.base import (
     RequestFailed,
     RequestRejected,
 )
-from proctor.server.engines.vllm_errors import classify_error
+from proctor.server.engines.vllm.errors import classify_error
 
 log = logging.getLogger(__name__)
 

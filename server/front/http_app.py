@@ -29,12 +29,12 @@ from proctor.proto.wire import (
     RETRY_AFTER_MS_HEADER,
     TIMEOUT_HEADER,
 )
-from proctor.server.auth import TokenAuth
-from proctor.server.bounded_json import loads_bounded
 from proctor.server.errors import Code, ScoringError, invalid
-from proctor.server.openai_compat import mount_openai_compat
-from proctor.server.responses import Responses
-from proctor.server.service import ScoredRequest, ScoringService
+from proctor.server.front.auth import TokenAuth
+from proctor.server.front.bounded_json import loads_bounded
+from proctor.server.front.openai_compat import mount_openai_compat
+from proctor.server.front.responses import Responses
+from proctor.server.front.service import ScoredRequest, ScoringService
 from proctor.server.settings import ServerOptions
 
 _JSON_FIELDS = {

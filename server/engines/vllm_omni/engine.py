@@ -91,8 +91,8 @@ from typing import Any
 
 import torch
 
-from proctor.server.engines import EngineConfigError
 from proctor.server.engines.base import (
+    EngineConfigError,
     EngineError,
     EngineRequest,
     EngineResult,
@@ -102,23 +102,28 @@ from proctor.server.engines.base import (
 )
 from proctor.server.engines.checks import check_vllm_settings
 from proctor.server.engines.multimodal import decoded_media
-from proctor.server.engines.omni_config import (
+from proctor.server.engines.score_ids import scores_from_hidden
+from proctor.server.engines.vllm.args import (
+    engine_kwargs_of,
+    engine_request_id,
+    scoring_sampling_kwargs,
+)
+from proctor.server.engines.vllm.family import VllmFamilyEngine
+from proctor.server.engines.vllm.media import VllmMedia
+from proctor.server.engines.vllm_omni.config import (
     ENGINE,
     config_schema,
     deploy_config,
     omni_pipeline,
     stage_config,
 )
-from proctor.server.engines.omni_stages import LogTail, child_processes, classify_stage_error, process_exit
-from proctor.server.engines.prompt_logprobs import extract_rows, hidden_rows
-from proctor.server.engines.score_ids import scores_from_hidden
-from proctor.server.engines.vllm_args import (
-    engine_kwargs_of,
-    engine_request_id,
-    scoring_sampling_kwargs,
+from proctor.server.engines.vllm_omni.prompt_logprobs import extract_rows, hidden_rows
+from proctor.server.engines.vllm_omni.stages import (
+    LogTail,
+    child_processes,
+    classify_stage_error,
+    process_exit,
 )
-from proctor.server.engines.vllm_common import VllmFamilyEngine
-from proctor.server.engines.vllm_media import VllmMedia
 
 log = logging.getLogger(__name__)
 

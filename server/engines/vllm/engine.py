@@ -30,19 +30,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from proctor.server.engines import EngineConfigError
-from proctor.server.engines.base import EngineError, EngineRequest, EngineResult
+from proctor.server.engines.base import EngineConfigError, EngineError, EngineRequest, EngineResult
 from proctor.server.engines.checkpoint import check_cpu_head_dim, model_facts
 from proctor.server.engines.checks import check_vllm_settings
-from proctor.server.engines.pooled_scores import PooledScores, ScoreAsk, unpack
 from proctor.server.engines.row_scores import score_rows
-from proctor.server.engines.vllm_adapter import SCORING_TASK, check_vllm_version, engine_classes
-from proctor.server.engines.vllm_args import engine_args_from_settings, engine_kwargs_of, engine_request_id
-from proctor.server.engines.vllm_common import PROBE_TIMEOUT_S, VllmFamilyEngine
-from proctor.server.engines.vllm_errors import input_error
-from proctor.server.engines.vllm_media import VllmMedia
-from proctor.server.engines.vllm_prefix import KeptRow, PrefixLane, Scored
-from proctor.server.engines.vllm_scoring_model import scoring_architecture
+from proctor.server.engines.vllm.adapter import SCORING_TASK, check_vllm_version, engine_classes
+from proctor.server.engines.vllm.args import engine_args_from_settings, engine_kwargs_of, engine_request_id
+from proctor.server.engines.vllm.errors import input_error
+from proctor.server.engines.vllm.family import PROBE_TIMEOUT_S, VllmFamilyEngine
+from proctor.server.engines.vllm.media import VllmMedia
+from proctor.server.engines.vllm.pooled_scores import PooledScores, ScoreAsk, unpack
+from proctor.server.engines.vllm.prefix import KeptRow, PrefixLane, Scored
+from proctor.server.engines.vllm.scoring_model import scoring_architecture
 from proctor.server.prompt_reuse import ReuseSettings
 
 log = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ describe and unembedding. The pure parts live beside it: settings → engine arg
 (`prompt_logprobs`) and request errors vs replica errors (`vllm_errors`).
 
 Devices: these engines never set `*_VISIBLE_DEVICES` themselves; the process that hosts them
-(`engine_host`, or a Ray actor) is started with the replica's environment.
+(`worker.main`, or a Ray actor) is started with the replica's environment.
 
 Nothing here imports vLLM at module level, so the pure parts are tested without an engine.
 """
@@ -42,8 +42,8 @@ from proctor.server.engines.checkpoint import (
 from proctor.server.engines.logit_transforms import logit_transforms
 from proctor.server.engines.multimodal import check_counts
 from proctor.server.engines.score_ids import FROM_HIDDEN
-from proctor.server.engines.vllm_args import resolve_max_logprobs
-from proctor.server.engines.vllm_errors import classify_error
+from proctor.server.engines.vllm.args import resolve_max_logprobs
+from proctor.server.engines.vllm.errors import classify_error
 
 log = logging.getLogger(__name__)
 

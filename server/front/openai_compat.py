@@ -46,12 +46,12 @@ from fastapi.responses import JSONResponse, Response
 
 from proctor.proto import scoring_pb2
 from proctor.proto.wire import RETRY_AFTER_HEADER
-from proctor.server.bounded_json import loads_bounded
-from proctor.server.completion_json import TokenText, prompt_logprobs_json
 from proctor.server.errors import Code, ScoringError, invalid
-from proctor.server.responses import Responses
-from proctor.server.routing import ReplicaSet
-from proctor.server.service import ScoringService
+from proctor.server.front.bounded_json import loads_bounded
+from proctor.server.front.completion_json import TokenText, prompt_logprobs_json
+from proctor.server.front.responses import Responses
+from proctor.server.front.routing import ReplicaSet
+from proctor.server.front.service import ScoringService
 
 log = logging.getLogger(__name__)
 

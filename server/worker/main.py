@@ -1,15 +1,15 @@
-"""A replica worker: one teacher engine in a process of its own (`python -m ...engine_host FD [ARENA_FD]`).
+"""A replica worker: one teacher engine in a process of its own (`python -m proctor.server.worker.main FD [ARENA_FD]`).
 
-The server's front process starts one per replica (`SubprocessEngine`), whatever the engine,
+The server's front process starts one per replica (`WorkerClient`), whatever the engine,
 with the replica's environment given explicitly (its `*_VISIBLE_DEVICES`), so the engine's own
 processes (vLLM's EngineCore and workers) inherit exactly that and nothing another replica
 set; replicas start concurrently and the front's `os.environ` is never touched. The worker
 owns everything per token: its engine (vLLM's output processing, the torch forward pass and its
-Python) and the encoding of each result into the wire's bytes (`wire_result`), so the front
-only moves bytes. It serves the engine protocol over the socket `FD` (see `host_protocol`):
+Python) and the encoding of each result into the wire's bytes (`worker.wire`), so the front
+only moves bytes. It serves the engine protocol over the socket `FD` (see `worker.protocol`):
 scoring calls run concurrently, aborts reach the engine while its batch runs, and health
 checks are answered by the engine's own probe. The large buffers of its replies go through
-the shared arena the front passed it (`shared_arena`), when there is one. When the front goes
+the shared arena the front passed it (`worker.arena`), when there is one. When the front goes
 away (the socket closes) the worker closes its engine and exits.
 """
 
@@ -23,10 +23,10 @@ import sys
 from typing import Any
 
 from proctor.server.engines.base import EngineError, describe_fault, is_out_of_memory
-from proctor.server.engines.host_protocol import Channel
-from proctor.server.engines.wire_result import encode_outcomes
+from proctor.server.worker.protocol import Channel
+from proctor.server.worker.wire import encode_outcomes
 
-log = logging.getLogger("proctor.engine_host")
+log = logging.getLogger(__name__)
 
 
 class EngineHost:
@@ -56,7 +56,7 @@ class EngineHost:
                     await self.engine.close()
 
     async def _start(self, spec: Any, build: Any) -> bool:
-        from proctor.server.engines import create_engine
+        from proctor.server.engines.factory import create_engine
 
         try:
             self.engine = (build or create_engine)(spec)

@@ -23,10 +23,10 @@ import torch
 from proctor.proto import scoring_pb2, wire_dtype
 from proctor.server.engines.base import EngineRequest, EngineResult
 from proctor.server.errors import NOT_READY_RETRY_S, Code, ScoringError
+from proctor.server.front.routing import ReplicaSet, Router
+from proctor.server.front.validation import decode, request_mode, validate
 from proctor.server.media import MediaLimits
 from proctor.server.metrics import Metrics
-from proctor.server.routing import ReplicaSet, Router
-from proctor.server.validation import decode, request_mode, validate
 
 log = logging.getLogger(__name__)
 

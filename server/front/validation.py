@@ -18,11 +18,11 @@ import numpy as np
 import torch
 
 from proctor.proto import scoring_pb2
-from proctor.server.bounded_json import loads_bounded
 from proctor.server.engines.base import EngineInfo, EngineRequest, MediaItem, MultiModalInputs
 from proctor.server.errors import Code, ScoringError, invalid
+from proctor.server.front.bounded_json import loads_bounded
+from proctor.server.front.routing import ReplicaSet
 from proctor.server.media import MediaLimits, decode_media
-from proctor.server.routing import ReplicaSet
 
 
 @dataclass(frozen=True)
