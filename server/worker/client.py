@@ -46,6 +46,20 @@ from proctor.server.engines.base import (
 )
 from proctor.server.pool import VISIBLE_DEVICES_ENV
 from proctor.server.worker.arena import create_arena
+from proctor.server.worker.messages import (
+    Abort,
+    Close,
+    Failed,
+    Health,
+    Message,
+    Raised,
+    Ready,
+    Reply,
+    Score,
+    Start,
+    StartFailed,
+    Unembedding,
+)
 from proctor.server.worker.protocol import Channel
 
 log = logging.getLogger(__name__)
@@ -143,7 +157,7 @@ class WorkerClient(TeacherEngine):
             loop.create_task(self._pump_output(), name=f"proctor-host-{self.name}-output"),
             loop.create_task(self._watch_exit(), name=f"proctor-host-{self.name}-exit"),
         ]
-        self._send(("start", host_spec(self.spec), self.build))
+        self._send(Start(host_spec(self.spec), self.build))
         timeout = self.spec.startup_timeout_s
         try:
             self._info, self._budget = await asyncio.wait_for(asyncio.shield(self._ready), timeout)
@@ -164,7 +178,7 @@ class WorkerClient(TeacherEngine):
             return
         if proc.returncode is None and self._channel is not None and not self._suspect:
             with contextlib.suppress(Exception):
-                self._send(("close",))
+                self._send(Close())
                 await asyncio.wait_for(proc.wait(), CLOSE_GRACE_S)
         self._kill_group()
         with contextlib.suppress(Exception):
@@ -193,17 +207,18 @@ class WorkerClient(TeacherEngine):
                 child.kill()
 
     # -- the socket ------------------------------------------------------------------------
-    def _send(self, message: tuple[Any, ...]) -> None:
+    def _send(self, message: Message) -> None:
         if self._channel is None or self._exit is not None:
             raise EngineError(f"{self.name}: engine host is not running ({self._exit or 'closed'})")
         self._channel.send(message)
 
-    async def _call(self, kind: str, *args: Any, timeout: float | None = None) -> Any:
+    async def _call(self, ask: Callable[[int], Message], timeout: float | None = None) -> Any:
+        """Send `ask(call)` and wait for that call's answer."""
         call = next(self._ids)
         future = asyncio.get_running_loop().create_future()
         self._calls[call] = future
         try:
-            self._send((kind, call, *args))
+            self._send(ask(call))
             return await (asyncio.wait_for(future, timeout) if timeout else future)
         finally:
             self._calls.pop(call, None)
@@ -214,25 +229,30 @@ class WorkerClient(TeacherEngine):
             self._on_message(message)
             message = None  # a reply's buffers (shared memory) are not held while the next is awaited
 
-    def _on_message(self, message: tuple[Any, ...]) -> None:
-        kind = message[0]
-        if kind == "ready":
-            if not self._ready.done():
-                self._ready.set_result((message[1], message[2]))
-        elif kind == "start_failed":
-            if not self._ready.done():
-                self._ready.set_exception(EngineError(
-                    f"{self.name}: engine failed to start: {message[1]}; its last output:\n{self.log_tail()}"))
-        else:
-            future = self._calls.get(message[1])
-            if future is None or future.done():
-                return
-            if kind == "reply":
-                future.set_result(message[2])
-            elif kind == "raised":  # the engine raised on this call, its process alive
-                future.set_exception(BatchFailed(f"{self.name}: {message[2]}", out_of_memory=message[3]))
-            else:
-                future.set_exception(EngineError(f"{self.name}: {message[2]}"))
+    def _on_message(self, message: Message) -> None:
+        """The one place the front acts on a worker message, by its kind."""
+        match message:
+            case Ready(info, token_budget):
+                if not self._ready.done():
+                    self._ready.set_result((info, token_budget))
+            case StartFailed(text):
+                if not self._ready.done():
+                    self._ready.set_exception(EngineError(
+                        f"{self.name}: engine failed to start: {text}; its last output:\n{self.log_tail()}"))
+            case Reply(call, value):
+                self._answer(call, lambda future: future.set_result(value))
+            case Raised(call, cause, out_of_memory):  # the engine raised on this call, its process alive
+                self._answer(call, lambda future: future.set_exception(
+                    BatchFailed(f"{self.name}: {cause}", out_of_memory=out_of_memory)))
+            case Failed(call, text):
+                self._answer(call, lambda future: future.set_exception(EngineError(f"{self.name}: {text}")))
+            case _:
+                log.error("%s: message %s is not one a worker sends", self.name, type(message).__name__)
+
+    def _answer(self, call: int, settle: Callable[[asyncio.Future], None]) -> None:
+        future = self._calls.get(call)
+        if future is not None and not future.done():
+            settle(future)
 
     async def _pump_output(self) -> None:
         """Keep the host's last lines (for errors) and pass them on to this process's stderr."""
@@ -267,20 +287,20 @@ class WorkerClient(TeacherEngine):
 
     async def score(self, batch: list[EngineRequest]) -> list[Outcome]:
         try:
-            return await self._call("score", batch)
+            return await self._call(lambda call: Score(call, batch))
         except EngineError:
             self._suspect = True
             raise
 
     async def abort(self, request_keys: list[str]) -> None:
         with contextlib.suppress(EngineError):
-            self._send(("abort", list(request_keys)))
+            self._send(Abort(list(request_keys)))
 
     async def check_health(self) -> bool:
         if self._exit is not None or self._proc is None:
             return False
         try:
-            healthy = bool(await self._call("health", timeout=self.health_timeout_s))
+            healthy = bool(await self._call(Health, timeout=self.health_timeout_s))
         except (TimeoutError, EngineError):
             healthy = False
         self._suspect = self._suspect or not healthy
@@ -296,7 +316,7 @@ class WorkerClient(TeacherEngine):
         """From the worker's engine (the torch model's own output embedding; vLLM's from its
         checkpoint), once; cut to the vocabulary the teacher serves."""
         if self._unembedding is None:
-            weight = await self._call("unembedding")
+            weight = await self._call(Unembedding)
             if self._info is not None:
                 weight = weight[: self._info.vocab_size].contiguous()
             self._unembedding = weight

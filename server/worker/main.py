@@ -23,6 +23,21 @@ import sys
 from typing import Any
 
 from proctor.server.engines.base import EngineError, describe_fault, is_out_of_memory
+from proctor.server.worker.messages import (
+    Abort,
+    Close,
+    Failed,
+    Free,
+    Health,
+    Message,
+    Raised,
+    Ready,
+    Reply,
+    Score,
+    Start,
+    StartFailed,
+    Unembedding,
+)
 from proctor.server.worker.protocol import Channel
 from proctor.server.worker.wire import encode_outcomes
 
@@ -39,14 +54,10 @@ class EngineHost:
 
     async def serve(self) -> None:
         message = await self.channel.receive()
-        if message is None or message[0] != "start":
-            return
-        if not await self._start(message[1], message[2]):
+        if not isinstance(message, Start) or not await self._start(message.spec, message.build):
             return
         try:
-            while (message := await self.channel.receive()) is not None:
-                if message[0] == "close":
-                    break
+            while (message := await self.channel.receive()) is not None and not isinstance(message, Close):
                 self._dispatch(message)
         finally:
             for task in list(self._tasks):
@@ -63,26 +74,27 @@ class EngineHost:
             await self.engine.start()
         except Exception as exc:
             log.exception("engine failed to start")
-            await self._send(("start_failed", f"{type(exc).__name__}: {exc}"))
+            await self._send(StartFailed(f"{type(exc).__name__}: {exc}"))
             return False
-        await self._send(("ready", self.engine.describe(), self.engine.token_budget()))
+        await self._send(Ready(self.engine.describe(), self.engine.token_budget()))
         return True
 
-    def _dispatch(self, message: tuple[Any, ...]) -> None:
-        kind = message[0]
-        if kind == "free":  # the front is done with these blocks of the shared arena
-            if self.channel.arena_out is not None:
-                self.channel.arena_out.free(message[1])
-        elif kind == "abort":
-            self._spawn(self.engine.abort(list(message[1])))
-        elif kind == "score":
-            self._spawn(self._reply(message[1], self._score(message[2])))
-        elif kind == "health":
-            self._spawn(self._reply(message[1], self.engine.check_health()))
-        elif kind == "unembedding":  # the model's own output embedding, read off this loop
-            self._spawn(self._reply(message[1], asyncio.to_thread(self.engine.unembedding)))
-        else:
-            log.error("unknown message %r from the server", kind)
+    def _dispatch(self, message: Message) -> None:
+        """The one place the worker acts on a front message, by its kind."""
+        match message:
+            case Free(offsets):  # the front is done with these blocks of the shared arena
+                if self.channel.arena_out is not None:
+                    self.channel.arena_out.free(offsets)
+            case Abort(keys):
+                self._spawn(self.engine.abort(list(keys)))
+            case Score(call, batch):
+                self._spawn(self._reply(call, self._score(batch)))
+            case Health(call):
+                self._spawn(self._reply(call, self.engine.check_health()))
+            case Unembedding(call):  # the model's own output embedding, read off this loop
+                self._spawn(self._reply(call, asyncio.to_thread(self.engine.unembedding)))
+            case _:
+                log.error("message %s is not one the front sends", type(message).__name__)
 
     async def _score(self, batch: list) -> list:
         return encode_outcomes(await self.engine.score(batch))
@@ -93,23 +105,23 @@ class EngineHost:
         task.add_done_callback(self._tasks.discard)
 
     async def _reply(self, call: int, coro) -> None:
-        """Answer a call: its value; "failed" when the engine says the replica is unwell
-        (`EngineError`); "raised" when it raised anything else (the batch's fault, or one of its
+        """Answer a call: its value (`Reply`); `Failed` when the engine says the replica is unwell
+        (`EngineError`); `Raised` when it raised anything else (the batch's fault, or one of its
         requests': the front splits the batch to find which), with its traceback logged here."""
         try:
             value = await coro
         except asyncio.CancelledError:
             raise
         except EngineError as exc:
-            await self._send(("failed", call, f"{type(exc).__name__}: {exc}"))
+            await self._send(Failed(call, f"{type(exc).__name__}: {exc}"))
             return
         except Exception as exc:
             log.exception("the engine raised on call %d", call)
-            await self._send(("raised", call, describe_fault(exc), is_out_of_memory(exc)))
+            await self._send(Raised(call, describe_fault(exc), is_out_of_memory(exc)))
             return
-        await self._send(("reply", call, value))
+        await self._send(Reply(call, value))
 
-    async def _send(self, message: tuple[Any, ...]) -> None:
+    async def _send(self, message: Message) -> None:
         self.channel.send(message)
         await self.channel.drain()
 

@@ -1,4 +1,4 @@
-"""The messages between the front and a replica worker process, and their framing.
+"""The framing of the front ↔ replica worker socket: one message a frame, its large buffers out of band.
 
 A frame is an 8-byte little-endian length, then a count of out-of-band buffers, the pickle's
 length, each buffer's length and place, the pickle, and the buffers that travel in the frame: a
@@ -12,15 +12,7 @@ states) go out of band (pickle protocol 5), so the reader gets them as views of 
 the socket was read into (`Channel`, an asyncio buffered protocol): one copy from the kernel
 and none in Python. A CPU torch tensor (a request's token ids) pickles as its raw bytes, dtype
 and shape: torch's own pickling goes through `torch.save` and costs tens of µs a tensor, on the
-front's event loop. Messages are tuples whose first item names them:
-
-front → worker: ("start", spec, build) · ("score", call, batch) · ("abort", keys) · ("health", call) ·
-                ("unembedding", call) · ("free", offsets) · ("close",)   (build: the engine
-                factory, None for `create_engine`; offsets: blocks of the shared arena the front
-                is done with)
-worker → front: ("ready", info, token_budget) · ("start_failed", message) ·
-                ("reply", call, value) · ("failed", call, message) (the replica is unwell) ·
-                ("raised", call, cause, out_of_memory) (the engine raised on this call)
+front's event loop. What the frames carry is `messages`' codec: typed messages as tuples.
 """
 
 from __future__ import annotations
@@ -38,6 +30,7 @@ import torch
 
 from proctor.proto import DTYPES
 from proctor.server.worker.arena import ArenaReader, ArenaWriter
+from proctor.server.worker.messages import Free, Message, decode, encode
 
 log = logging.getLogger(__name__)
 
@@ -180,6 +173,10 @@ class _FrameProtocol(asyncio.BufferedProtocol):
         self.messages.put_nowait(None)
         self._writable.set()
 
+    async def writable(self) -> None:
+        """Return once the socket's write buffer is under its high-water mark."""
+        await self._writable.wait()
+
     def pause_writing(self) -> None:
         self._writable.clear()
 
@@ -192,7 +189,7 @@ class Channel:
 
     A worker's channel may write the large buffers of its frames into a shared arena
     (`use_arena_for_sending`); the front's reads them there (`read_arena`) and reports the blocks
-    it is done with as ("free", offsets) messages."""
+    it is done with as `Free` messages."""
 
     def __init__(self, transport: asyncio.Transport, protocol: _FrameProtocol) -> None:
         self.transport = transport
@@ -210,20 +207,22 @@ class Channel:
     def read_arena(self, fd: int) -> None:
         def report(offsets: list[int]) -> None:
             if not self.transport.is_closing():
-                self.send(("free", offsets))
+                self.send(Free(offsets))
 
         self.protocol.arena = ArenaReader(fd, report)
 
-    def send(self, message: Any) -> None:
+    def send(self, message: Message) -> None:
         """Queue one whole frame (one call, no await: frames from concurrent tasks never interleave)."""
-        self.transport.writelines(frame(message, self.arena_out))
+        self.transport.writelines(frame(encode(message), self.arena_out))
 
     async def drain(self) -> None:
         """Wait while the socket's write buffer is over its high-water mark."""
-        await self.protocol._writable.wait()
+        await self.protocol.writable()
 
-    async def receive(self) -> Any:
-        return await self.protocol.messages.get()
+    async def receive(self) -> Message | None:
+        """The next message; None once the other end has gone."""
+        raw = await self.protocol.messages.get()
+        return None if raw is None else decode(raw)
 
     def close(self) -> None:
         self.transport.close()
