@@ -206,7 +206,7 @@ async def test_omni_engine_scores_decoded_media_through_the_stage(model_dir):
         assert res.logprobs.tolist() == [-2.0, -3.0] and res.topk_ids.tolist() == [[7, 8]] * 2
         assert res.hidden_states.shape == (2, 4) and res.hidden_states.dtype == torch.bfloat16
         assert engine._omni.received_prompts[-1]["multi_modal_data"]["image"] == [image]
-        assert engine.describe().max_tokens == 63 and engine.describe().max_model_len == 64
+        assert engine.describe().longest_sequence == 63 and engine.describe().max_model_len == 64
     finally:
         await engine.close()
 

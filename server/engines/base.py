@@ -138,14 +138,14 @@ class EngineInfo:
     # Whether the engine applies a request's temperature (T != 1 is refused where it does not).
     temperature: bool = False
     # Longest sequence the engine scores. vLLM needs one slot beyond the prompt for the output
-    # token of its `max_tokens=1` prefill, so there it is max_model_len - 1; None: max_model_len.
-    max_tokens: int | None = None
+    # token of its one-token prefill, so there it is max_model_len - 1; None: max_model_len.
+    longest_sequence: int | None = None
     # How score_ids are scored ("" when "score_ids" is not among the outputs); see TeacherInfo.
     score_ids_method: str = ""
 
     @property
     def max_sequence_tokens(self) -> int:
-        return self.max_model_len if self.max_tokens is None else self.max_tokens
+        return self.max_model_len if self.longest_sequence is None else self.longest_sequence
 
 
 # --------------------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ from proctor.server.engines.vllm.errors import input_error
 from proctor.server.engines.vllm.family import PROBE_TIMEOUT_S, VllmFamilyEngine
 from proctor.server.engines.vllm.media import VllmMedia
 from proctor.server.engines.vllm.pooled_scores import PooledScores, ScoreAsk, unpack
-from proctor.server.engines.vllm.prefix import KeptRow, PrefixLane, Scored
+from proctor.server.engines.vllm.prefix import KeptRow, PoolerAnswer, PrefixLane
 from proctor.server.engines.vllm.scoring_model import scoring_architecture
 from proctor.server.prompt_reuse import ReuseSettings
 
@@ -164,7 +164,7 @@ class VllmEngine(VllmFamilyEngine):
             keep_row=keep_row,
         )
 
-    async def _encode(self, request: EngineRequest, *, read_cache: bool, keep_row: bool = False) -> Scored:
+    async def _encode(self, request: EngineRequest, *, read_cache: bool, keep_row: bool = False) -> PoolerAnswer:
         _, _, PoolingParams, _ = engine_classes()
         ask = self._ask(request, keep_row=request.first_row if keep_row else 0)
         params = PoolingParams(task=SCORING_TASK, extra_kwargs=ask.to_kwargs(),
@@ -181,7 +181,7 @@ class VllmEngine(VllmFamilyEngine):
             pooled = unpack(final.outputs.data)
         except ValueError as exc:
             raise EngineError(f"vLLM's scoring answer is malformed: {exc}") from exc
-        return Scored(pooled, int(getattr(final, "num_cached_tokens", 0) or 0))
+        return PoolerAnswer(pooled, int(getattr(final, "num_cached_tokens", 0) or 0))
 
     async def _prompt_row(self, request: EngineRequest) -> KeptRow:
         """Row P's raw logits and hidden state from the prompt alone (its last position is always computed)."""

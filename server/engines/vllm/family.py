@@ -110,7 +110,7 @@ class VllmFamilyEngine(TeacherEngine):
             dtype=str(self._dtype).removeprefix("torch."),
             outputs=self._outputs(),
             media=self.media_kinds,
-            max_tokens=self._max_sequence(max_len),
+            longest_sequence=self._max_sequence(max_len),
             temperature=self.temperature,
             score_ids_method=self.score_ids_method,
         )

@@ -74,7 +74,7 @@ class _Record:
 
 
 @dataclass
-class Scored:
+class PoolerAnswer:
     """vLLM's answer for one request, unpacked, and the prompt tokens it reports cached."""
 
     pooled: PooledScores
@@ -82,14 +82,14 @@ class Scored:
 
 
 # send(read_cache, keep_row) -> the request's answer; keep_row asks the pooler to keep row P.
-Send = Callable[[bool, bool], Awaitable[Scored]]
+Send = Callable[[bool, bool], Awaitable[PoolerAnswer]]
 
 
 @dataclass
 class Answer:
     """A lane's result: the answer, how to read it, row P when it came from the record."""
 
-    scored: Scored
+    scored: PoolerAnswer
     decision: Decision  # WHOLE or FIRST_ROW (a RESCORE was resolved by scoring again)
     row: KeptRow | None
     reused_tokens: int
