@@ -6,7 +6,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from proctor.client.loss import full_vocab_kl, topk_kl
+from proctor.client.loss import full_vocab_kl, full_vocab_kl_reduced, topk_kl, topk_kl_reduced
 
 from loss_reference import make_case, topk_of
 
@@ -66,4 +66,25 @@ def test_fused_topk_forward_and_backward_stay_below_n_times_v():
         loss.sum().backward()
 
     largest = _largest_during(run)
+    assert largest < N * V
+
+
+def test_fused_reduced_losses_hold_row_chunks_not_n_times_v():
+    # Whole-vocabulary rows of CT tokens at a time, the per-token output's backward included.
+    case = make_case(n=N, h=H, v=V, seed=53)
+    ids, lps = topk_of(case.teacher_logits64, 4)
+    sh = case.student_hidden.clone().requires_grad_()
+    sw = case.student_weight.clone().requires_grad_()
+    weights = torch.rand(N, generator=torch.Generator().manual_seed(5))
+
+    def run():
+        for direction in ("forward", "reverse", "jsd"):
+            red = full_vocab_kl_reduced(case.teacher_hidden, case.teacher_weight, weights, student_hidden=sh,
+                                        student_weight=sw, direction=direction, chunk_tokens=CT)
+            (red.total + red.per_token.sum()).backward()
+        red = topk_kl_reduced(ids, lps.float(), weights, student_hidden=sh, student_weight=sw, chunk_tokens=CT)
+        (red.total + red.per_token.sum()).backward()
+
+    largest = _largest_during(run)
+    assert largest <= max(V * H, CT * V, N * H)
     assert largest < N * V

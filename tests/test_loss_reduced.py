@@ -244,6 +244,29 @@ def test_per_token_output_stays_differentiable_and_total_backpropagates_once():
         torch.autograd.grad(red.total, [sh, sw])
 
 
+@pytest.mark.parametrize("clamp", [None, -4.0])
+@pytest.mark.parametrize("form", ["fused", "logits"])
+def test_reduced_topk_per_token_output_stays_differentiable(clamp, form):
+    # The per-token output's backward recomputes each chunk's rows (the base's recomputing path).
+    case = make_case(n=N, h=H, v=V, seed=19, dtype=F64, scale=3.0)
+    ids, t = topk_of(case.teacher_logits64, 5)
+    r = torch.rand(N, generator=torch.Generator().manual_seed(4), dtype=F64)
+    weights = aggregate_weights(_mask("chunks"), "token-mean", dtype=F64)
+    kw = dict(temperature=1.5, log_prob_min_clamp=clamp, chunk_tokens=CT)
+
+    def student(sh, sw):
+        return {"student_hidden": sh, "student_weight": sw} if form == "fused" else {"student_logits": sh @ sw.T}
+
+    sh, sw = _leaves(case)
+    red = topk_kl_reduced(ids, t, weights, **student(sh, sw), **kw)
+    got = torch.autograd.grad(red.total * 0.5 + (red.per_token * r).sum(), [sh, sw])
+    rh, rw = _leaves(case)
+    loss = topk_kl(ids, t, **student(rh, rw), **kw)
+    want = torch.autograd.grad((loss * weights).sum() * 0.5 + (loss * r).sum(), [rh, rw])
+    for x, y in zip(got, want, strict=True):
+        assert rel_err(x, y) <= TIGHT
+
+
 def test_bf16_inputs_accumulate_in_float32():
     case = make_case(n=N, h=32, v=V, seed=9, dtype=torch.bfloat16)
     weights = aggregate_weights(_mask("scattered"), "token-mean")

@@ -4,7 +4,10 @@ Every loss returns a float32 per-token tensor ``[N]``, differentiable in the
 student inputs; masking and reduction are separate (``aggregate``). The
 vocabulary-wide losses run on one chunking core (``chunking``) so that neither
 the student's nor the teacher's ``[N, V]`` logits are ever materialised when
-both sides are given as hidden states and unembeddings.
+both sides are given as hidden states and unembeddings, and on one base
+(``chunked_loss``): each states its formula per token chunk, the base owns the
+chunk loop, the autograd plumbing and the gradients of the per-token and
+reduced forms alike.
 
 Families: ``sampled_kl`` (single-sample estimators), ``topk_kl`` (teacher's
 top-k), ``student_topk_reverse_kl`` (the reverse KL on the student's top-k), ``full_vocab_kl`` (exact, from teacher hidden states), plus the

@@ -75,6 +75,27 @@ def check_student(
     return n, v
 
 
+def check_id_table(ids_name: str, ids: torch.Tensor, values_name: str, values: torch.Tensor) -> None:
+    """Raise unless ``ids`` and float ``values`` are 2-D tables ``[N, K]`` of one shape with k > 0."""
+    require_2d(ids_name, ids)
+    require_2d(values_name, values)
+    require_float(values_name, values)
+    if ids.shape != values.shape:
+        raise ValueError(f"{ids_name} has shape {tuple(ids.shape)} but {values_name} has {tuple(values.shape)}")
+    if ids.shape[1] == 0:
+        raise ValueError(f"{ids_name} has k = 0 columns")
+
+
+def check_options(
+    direction: str, beta: float, temperature: float, clamp: float | None, chunk_tokens: int | None
+) -> None:
+    """The options every divergence entry takes: direction and beta, temperature, clamp, chunk_tokens."""
+    check_direction(direction, beta)
+    check_temperature(temperature)
+    check_clamp(clamp, direction)
+    check_chunk("chunk_tokens", chunk_tokens)
+
+
 def check_direction(direction: str, beta: float) -> None:
     """Raise on an unknown direction or a JSD beta outside [0, 1]."""
     if direction not in DIRECTIONS:

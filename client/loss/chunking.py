@@ -99,7 +99,21 @@ class Chunking:
 
 
 class RowBlock:
-    """One token chunk of a logit source: produces tiles, takes tile gradients."""
+    """One token chunk ``[t0, t1)`` of a logit source: produces tiles, takes tile gradients."""
+
+    src: LogitSource
+    t0: int
+    t1: int
+
+    @property
+    def num_rows(self) -> int:
+        """Tokens in the chunk."""
+        return self.t1 - self.t0
+
+    @property
+    def vocab(self) -> int:
+        """Vocabulary size of the source (the width of a whole-row tile)."""
+        return self.src.vocab
 
     def tile(self, v0: int, v1: int, out: torch.Tensor | None = None) -> torch.Tensor:  # pragma: no cover
         """Scaled logits in the compute dtype ``[rows, v1 - v0]``, row-major; the caller may overwrite them.
@@ -142,9 +156,15 @@ class FusedSource:
         self.inv_tau = inv_tau
         self.dtype = dtype
         self.num_tokens, self.vocab = hidden.shape[0], weight.shape[0]
-        dev = hidden.device
+        self.device = dev = hidden.device
         self.grad_hidden = torch.zeros(hidden.shape, dtype=dtype, device=dev) if grad_hidden else None
         self.grad_weight = torch.zeros(weight.shape, dtype=dtype, device=dev) if grad_weight else None
+
+    def input_grads(self) -> list[torch.Tensor | None]:
+        """The accumulated gradients in the inputs' dtypes, as ``[hidden, weight, logits]``."""
+        gh, gw = self.grad_hidden, self.grad_weight
+        hidden = None if gh is None else gh.to(self.hidden.dtype)
+        return [hidden, None if gw is None else gw.to(self.weight.dtype), None]
 
     def weight_rows(self, v0: int, v1: int) -> torch.Tensor:
         """Rows ``weight[v0:v1]`` in the compute dtype (a view when no cast is needed)."""
@@ -195,7 +215,13 @@ class DenseSource:
         self.inv_tau = inv_tau
         self.dtype = dtype
         self.num_tokens, self.vocab = logits.shape
+        self.device = logits.device
         self.grad_logits = torch.zeros(logits.shape, dtype=dtype, device=logits.device) if grad_logits else None
+
+    def input_grads(self) -> list[torch.Tensor | None]:
+        """The accumulated gradient in the logits' dtype, as ``[hidden, weight, logits]``."""
+        gl = self.grad_logits
+        return [None, None, None if gl is None else gl.to(self.logits.dtype)]
 
     def rows(self, t0: int, t1: int) -> _DenseRows:
         """The token chunk ``[t0, t1)``."""

@@ -17,6 +17,10 @@ gradient cannot be precomputed in forward and merely rescaled. Backward
 therefore recomputes each tile, forms ``grad_output · dL/da`` from the saved
 statistics and contracts it immediately into ``grad_hidden`` / ``grad_weight``.
 Token chunks whose ``grad_output`` is all zero (masked) are skipped.
+
+This module states the formula of one token chunk (``_FullVocabLoss``); the chunk
+loop, the autograd plumbing and the gradient buffers of both entries are
+``chunked_loss``'s, the teacher validation and multi-teacher grouping ``teachers``'s.
 """
 
 from __future__ import annotations
@@ -26,21 +30,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from . import _checks
-from .chunking import Chunking, DenseSource, FusedSource, OnlineLogSumExp, RowBlock, compute_dtype, for_device
+from .chunked_loss import ChunkedLoss, GradFn, RowBuffers, Stats, per_token, reduced
+from .chunking import Chunking, FusedSource, OnlineLogSumExp, RowBlock, compute_dtype, for_device
 from .divergences import Divergence, full_rows, full_rows_sliced, make_divergence
-from .reduced import (
-    Reduced,
-    Transform,
-    add_grads,
-    check_weights,
-    hand_over_grads,
-    row_scale,
-    transformed,
-    weighted_total,
-)
+from .reduced import Reduced, Transform, check_weights
+from .teachers import by_teacher, check_teachers
 
 
 @dataclass(frozen=True)
@@ -51,135 +47,72 @@ class _Spec:
     dtype: torch.dtype
 
 
-def _student_source(
-    hidden: torch.Tensor | None,
-    weight: torch.Tensor | None,
-    logits: torch.Tensor | None,
-    spec: _Spec,
-    needs_grad: tuple[bool, bool, bool] = (False, False, False),
-) -> FusedSource | DenseSource:
-    if logits is not None:
-        return DenseSource(logits, spec.inv_tau, grad_logits=needs_grad[2], dtype=spec.dtype)
-    assert hidden is not None and weight is not None
-    return FusedSource(
-        hidden, weight, spec.inv_tau, grad_hidden=needs_grad[0], grad_weight=needs_grad[1], dtype=spec.dtype,
-    )
+class _FullVocabLoss(ChunkedLoss):
+    """The divergence between the student's and one teacher's full softmax: the formula of both
+    entries (``chunked_loss`` runs it); stats are ``(loss, lse_student, lse_teacher, aux)``."""
 
+    num_stats = 4
 
-def _chunk_stats(
-    sb: RowBlock, tb: RowBlock, rows: int, vocab: int, spec: _Spec, dev: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-token ``(loss, lse_student, lse_teacher, aux)`` of one token chunk, tile by tile."""
-    div, ch = spec.divergence, spec.chunking
-    online = div.online_side()
-    single = ch.single_vocab_chunk(vocab)
-    acc_s = OnlineLogSumExp(rows, dev, online == "student", spec.dtype)
-    acc_t = OnlineLogSumExp(rows, dev, online == "teacher", spec.dtype)
-    kept: tuple[torch.Tensor, torch.Tensor] | None = None
-    for v0, v1 in ch.vocab_chunks(vocab):
-        a, b = sb.tile(v0, v1), tb.tile(v0, v1)
-        acc_s.update(a, (a - b) if online == "student" else None)
-        acc_t.update(b, (b - a) if online == "teacher" else None)
-        if single and online is None:
-            kept = (a, b)
-    ls, lt = acc_s.logsumexp(), acc_t.logsumexp()
-    if online is not None:
-        chunk_loss = acc_t.expectation() - lt + ls if online == "teacher" else acc_s.expectation() - ls + lt
-        chunk_aux = torch.zeros_like(chunk_loss)
-    else:
-        chunk_loss = torch.zeros(rows, dtype=spec.dtype, device=dev)
-        chunk_aux = torch.zeros_like(chunk_loss)
+    def __init__(self, spec: _Spec, teacher_hidden: torch.Tensor, teacher_weight: torch.Tensor) -> None:
+        super().__init__(spec.inv_tau, spec.chunking, spec.dtype)
+        self.divergence = spec.divergence
+        self.teacher = FusedSource(teacher_hidden, teacher_weight, spec.inv_tau, dtype=spec.dtype)
+
+    @functools.cached_property
+    def _rows(self) -> Callable:
+        return _rows_function(self.divergence, self.teacher.device)
+
+    def chunk_stats(self, block: RowBlock) -> Stats:
+        """Tile by tile: pass 1 streams both normalisers (and the online side's expectation);
+        the floored forward KL and the JSD take a second pass, reusing a single vocabulary tile."""
+        div, ch, vocab, rows = self.divergence, self.chunking, block.vocab, block.num_rows
+        tb = self.teacher.rows(block.t0, block.t1)
+        online = div.online_side()
+        single = ch.single_vocab_chunk(vocab)
+        acc_s = OnlineLogSumExp(rows, block.src.device, online == "student", self.dtype)
+        acc_t = OnlineLogSumExp(rows, block.src.device, online == "teacher", self.dtype)
+        kept: tuple[torch.Tensor, torch.Tensor] | None = None
         for v0, v1 in ch.vocab_chunks(vocab):
-            a, b = kept if kept is not None else (sb.tile(v0, v1), tb.tile(v0, v1))
+            a, b = block.tile(v0, v1), tb.tile(v0, v1)
+            acc_s.update(a, (a - b) if online == "student" else None)
+            acc_t.update(b, (b - a) if online == "teacher" else None)
+            if single and online is None:
+                kept = (a, b)
+        ls, lt = acc_s.logsumexp(), acc_t.logsumexp()
+        if online is not None:
+            loss = acc_t.expectation() - lt + ls if online == "teacher" else acc_s.expectation() - ls + lt
+            return loss, ls, lt, div.finish_aux(loss, torch.zeros_like(loss))
+        loss = torch.zeros(rows, dtype=self.dtype, device=block.src.device)
+        aux = torch.zeros_like(loss)
+        for v0, v1 in ch.vocab_chunks(vocab):
+            a, b = kept if kept is not None else (block.tile(v0, v1), tb.tile(v0, v1))
             part_loss, part_aux = div.tile_terms(a.sub_(ls[:, None]), b.sub_(lt[:, None]))
-            chunk_loss += part_loss
-            chunk_aux += part_aux
-    return chunk_loss, ls, lt, div.finish_aux(chunk_loss, chunk_aux)
+            loss += part_loss
+            aux += part_aux
+        return loss, ls, lt, div.finish_aux(loss, aux)
 
+    def chunk_grad(self, block: RowBlock, stats: Stats, scale: torch.Tensor) -> None:
+        loss, ls, lt, aux = stats
+        tb = self.teacher.rows(block.t0, block.t1)
+        for v0, v1 in self.chunking.vocab_chunks(block.vocab):
+            log_p = block.tile(v0, v1).sub_(ls[:, None])
+            log_q = tb.tile(v0, v1).sub_(lt[:, None])
+            block.add_grad(v0, v1, self.divergence.tile_grad(log_p, log_q, loss, aux), scale)
 
-def _chunk_grads(
-    sb: RowBlock,
-    tb: RowBlock,
-    vocab: int,
-    spec: _Spec,
-    stats: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-    row_scale: torch.Tensor,
-) -> None:
-    """Accumulate ``Σ_rows row_scale · dL/d(student)`` of one token chunk, recomputing its tiles."""
-    loss, ls, lt, aux = stats
-    for v0, v1 in spec.chunking.vocab_chunks(vocab):
-        log_p = sb.tile(v0, v1).sub_(ls[:, None])
-        log_q = tb.tile(v0, v1).sub_(lt[:, None])
-        sb.add_grad(v0, v1, spec.divergence.tile_grad(log_p, log_q, loss, aux), row_scale)
-
-
-def _forward_stats(
-    student: FusedSource | DenseSource, teacher: FusedSource, spec: _Spec
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-token ``(loss, lse_student, lse_teacher, aux)`` without any ``[N, V]`` tensor."""
-    n, vocab = student.num_tokens, student.vocab
-    dev = teacher.hidden.device
-    out = [torch.empty(n, dtype=spec.dtype, device=dev) for _ in range(4)]
-    for t0, t1 in spec.chunking.token_chunks(n):
-        chunk = _chunk_stats(student.rows(t0, t1), teacher.rows(t0, t1), t1 - t0, vocab, spec, dev)
-        for full, part in zip(out, chunk, strict=True):
-            full[t0:t1] = part
-    return out[0], out[1], out[2], out[3]
-
-
-def _backward_grads(
-    student: FusedSource | DenseSource,
-    teacher: FusedSource,
-    spec: _Spec,
-    stats: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-    grad_out: torch.Tensor,
-) -> None:
-    """Accumulate ``Σ_n grad_out_n · dL_n/d(student)`` into the student source's buffers."""
-    for t0, t1 in spec.chunking.token_chunks(student.num_tokens):
-        g = grad_out[t0:t1]
-        if not bool(g.any()):
-            continue
-        chunk = tuple(x[t0:t1] for x in stats)
-        _chunk_grads(student.rows(t0, t1), teacher.rows(t0, t1), student.vocab, spec, chunk, g)
-
-
-def _returned_grads(
-    student: FusedSource | DenseSource,
-    s_hidden: torch.Tensor | None,
-    s_weight: torch.Tensor | None,
-    s_logits: torch.Tensor | None,
-) -> list:
-    """The student source's accumulators, cast to the inputs' dtypes: ``[hidden, weight, logits]``."""
-    if isinstance(student, DenseSource):
-        gl = student.grad_logits
-        return [None, None, gl.to(s_logits.dtype) if gl is not None else None]
-    gh, gw = student.grad_hidden, student.grad_weight
-    return [gh.to(s_hidden.dtype) if gh is not None else None, gw.to(s_weight.dtype) if gw is not None else None, None]
-
-
-class _FullVocabFunction(torch.autograd.Function):
-    """Per-token full-vocabulary divergence; differentiable in the student inputs only."""
-
-    @staticmethod
-    def forward(ctx, s_hidden, s_weight, s_logits, t_hidden, t_weight, spec: _Spec):
-        student = _student_source(s_hidden, s_weight, s_logits, spec)
-        teacher = FusedSource(t_hidden, t_weight, spec.inv_tau, dtype=spec.dtype)
-        loss, lse_s, lse_t, aux = _forward_stats(student, teacher, spec)
-        ctx.save_for_backward(s_hidden, s_weight, s_logits, t_hidden, t_weight, loss, lse_s, lse_t, aux)
-        ctx.spec = spec
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        s_hidden, s_weight, s_logits, t_hidden, t_weight, loss, lse_s, lse_t, aux = ctx.saved_tensors
-        needs = ctx.needs_input_grad[:3]
-        if not any(needs):
-            return None, None, None, None, None, None
-        spec: _Spec = ctx.spec
-        student = _student_source(s_hidden, s_weight, s_logits, spec, needs)
-        teacher = FusedSource(t_hidden, t_weight, spec.inv_tau, dtype=spec.dtype)
-        _backward_grads(student, teacher, spec, (loss, lse_s, lse_t, aux), grad_out.to(spec.dtype))
-        return (*_returned_grads(student, s_hidden, s_weight, s_logits), None, None, None)
+    def chunk_stats_and_grad(
+        self, block: RowBlock, buffers: RowBuffers, want_grad: bool
+    ) -> tuple[Stats, GradFn | None]:
+        """With one tile spanning the vocabulary, whole rows of both sides (one matmul each) give
+        normalisers, loss and gradient tile at once: 4 matmuls over ``N·H·V`` in all, the floor."""
+        vocab, rows = block.vocab, block.num_rows
+        if not self.chunking.single_vocab_chunk(vocab):
+            return super().chunk_stats_and_grad(block, buffers, want_grad)
+        a = block.tile(0, vocab, out=buffers.get(0, rows))
+        b = self.teacher.rows(block.t0, block.t1).tile(0, vocab, out=buffers.get(1, rows))
+        loss, ls, lt, aux, grad = self._rows(a, b, want_grad)
+        if grad is None:
+            return (loss, ls, lt, aux), None
+        return (loss, ls, lt, aux), functools.partial(block.add_grad, 0, vocab, grad)
 
 
 def _make_rows_function(div: Divergence) -> Callable:
@@ -200,107 +133,6 @@ def _rows_function(div: Divergence, device: torch.device) -> Callable:
     return selected
 
 
-def _row_buffers(spec: _Spec, num_tokens: int, vocab: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The student's and the teacher's ``[chunk_tokens, V]`` row buffers, reused by every token chunk."""
-    rows = min(spec.chunking.chunk_tokens, max(num_tokens, 1))
-    return (torch.empty(rows, vocab, dtype=spec.dtype, device=dev),
-            torch.empty(rows, vocab, dtype=spec.dtype, device=dev))
-
-
-class _ReducedFullVocabFunction(torch.autograd.Function):
-    """``Σ_i w_i transform(ℓ_i)`` with the student gradients formed in the forward pass.
-
-    Each token chunk takes whole-vocabulary rows of both sides' logits (one matmul each),
-    builds its normalisers, loss and gradient tile from them, and contracts the tile at once
-    into ``grad_hidden`` / ``grad_weight`` (two more): 4 matmuls over ``N·H·V`` in all, the
-    floor. The backward multiplies the stored gradients by ``grad_output``. The per-token
-    output is differentiable too, through the per-token path's recomputing backward.
-    """
-
-    @staticmethod
-    def forward(ctx, s_hidden, s_weight, s_logits, t_hidden, t_weight, weights, spec: _Spec, transform, want):
-        needs = tuple(bool(x) and want for x in ctx.needs_input_grad[:3])
-        student = _student_source(s_hidden, s_weight, s_logits, spec, needs)
-        teacher = FusedSource(t_hidden, t_weight, spec.inv_tau, dtype=spec.dtype)
-        n, vocab, dev = student.num_tokens, student.vocab, t_hidden.device
-        w = weights.to(device=dev, dtype=spec.dtype)
-        stats = [torch.empty(n, dtype=spec.dtype, device=dev) for _ in range(4)]
-        values = torch.empty(n, dtype=spec.dtype, device=dev)
-        rows_fn = _rows_function(spec.divergence, dev) if spec.chunking.single_vocab_chunk(vocab) else None
-        # Whole-vocabulary rows of both sides land in two buffers allocated once: a fresh
-        # [rows, V] pair per chunk would be fresh pages to fault in and zero every chunk.
-        bufs = _row_buffers(spec, n, vocab, dev) if rows_fn is not None else None
-        for t0, t1 in spec.chunking.token_chunks(n):
-            sb, tb, wc = student.rows(t0, t1), teacher.rows(t0, t1), w[t0:t1]
-            grad_here = any(needs) and bool(wc.any())
-            grad = None
-            if bufs is not None:
-                a = sb.tile(0, vocab, out=bufs[0][: t1 - t0])
-                loss, ls, lt, aux, grad = rows_fn(a, tb.tile(0, vocab, out=bufs[1][: t1 - t0]), grad_here)
-            else:
-                loss, ls, lt, aux = _chunk_stats(sb, tb, t1 - t0, vocab, spec, dev)
-            value, slope = transformed(loss, transform)
-            if grad_here:
-                scale = row_scale(wc, slope)
-                if grad is not None:
-                    sb.add_grad(0, vocab, grad, scale)
-                else:
-                    _chunk_grads(sb, tb, vocab, spec, (loss, ls, lt, aux), scale)
-            del grad
-            for full, part in zip(stats, (loss, ls, lt, aux), strict=True):
-                full[t0:t1] = part
-            values[t0:t1] = value
-        del bufs
-        ctx.grads = _returned_grads(student, s_hidden, s_weight, s_logits)
-        del student
-        ctx.save_for_backward(s_hidden, s_weight, s_logits, t_hidden, t_weight, *stats)
-        ctx.spec = spec
-        ctx.set_materialize_grads(False)
-        return weighted_total(values, w), stats[0]
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_total, grad_per_token):
-        grads, per_token_too = hand_over_grads(ctx, grad_total, grad_per_token)
-        needs = ctx.needs_input_grad[:3]
-        if per_token_too:
-            s_hidden, s_weight, s_logits, t_hidden, t_weight, *stats = ctx.saved_tensors
-            spec: _Spec = ctx.spec
-            student = _student_source(s_hidden, s_weight, s_logits, spec, needs)
-            teacher = FusedSource(t_hidden, t_weight, spec.inv_tau, dtype=spec.dtype)
-            _backward_grads(student, teacher, spec, tuple(stats), grad_per_token.to(spec.dtype))
-            grads = add_grads(grads, _returned_grads(student, s_hidden, s_weight, s_logits))
-        return (*grads, None, None, None, None, None, None)
-
-
-def _check_teacher(teacher_hidden: torch.Tensor, teacher_weight, teacher_index, vocab: int) -> list:
-    """Validate the teacher side; return the list of per-teacher weights."""
-    _checks.require_2d("teacher_hidden", teacher_hidden)
-    _checks.require_float("teacher_hidden", teacher_hidden)
-    weights = list(teacher_weight) if isinstance(teacher_weight, Sequence) else [teacher_weight]
-    if teacher_index is None and len(weights) != 1:
-        raise ValueError("teacher_index is required when teacher_weight lists several teachers")
-    if not weights:
-        raise ValueError("teacher_weight is empty")
-    for j, w in enumerate(weights):
-        if w is None:
-            continue
-        name = "teacher_weight" if len(weights) == 1 else f"teacher_weight[{j}]"
-        _checks.require_2d(name, w)
-        _checks.require_float(name, w)
-        if w.shape[0] != vocab:
-            raise ValueError(f"{name} has vocabulary {w.shape[0]} but the student has {vocab}")
-        if w.shape[1] > teacher_hidden.shape[1]:
-            raise ValueError(
-                f"{name} has hidden size {w.shape[1]} but teacher_hidden has only {teacher_hidden.shape[1]}"
-            )
-        if len(weights) == 1 and w.shape[1] != teacher_hidden.shape[1]:
-            raise ValueError(
-                f"teacher_hidden has hidden size {teacher_hidden.shape[1]} but teacher_weight has {w.shape[1]}"
-            )
-    return weights
-
-
 def _prepare(
     teacher_hidden: torch.Tensor,
     teacher_weight,
@@ -317,14 +149,11 @@ def _prepare(
     reduced: bool,
 ) -> tuple[_Spec, list, int]:
     """Validate the arguments of both entries; return ``(spec, teacher weights, N)``."""
-    _checks.check_direction(direction, beta)
-    _checks.check_temperature(temperature)
-    _checks.check_clamp(log_prob_min_clamp, direction)
-    _checks.check_chunk("chunk_tokens", chunk_tokens)
+    _checks.check_options(direction, beta, temperature, log_prob_min_clamp, chunk_tokens)
     _checks.check_chunk("chunk_vocab", chunk_vocab)
     _checks.require_2d("teacher_hidden", teacher_hidden)
     n, vocab = _checks.check_student(student_hidden, student_weight, student_logits, teacher_hidden.shape[0])
-    weights = _check_teacher(teacher_hidden, teacher_weight, teacher_index, vocab)
+    weights = check_teachers(teacher_hidden, teacher_weight, teacher_index, vocab)
     if reduced:
         chunking = Chunking.resolve_rows(n, vocab, chunk_tokens, chunk_vocab, teacher_hidden.device)
     else:
@@ -380,10 +209,10 @@ def full_vocab_kl(
     student = (student_hidden, student_weight, student_logits)
 
     def run(sub_student, th, tw, rows):
-        return _FullVocabFunction.apply(*sub_student, th, tw, spec), None
+        return per_token(_FullVocabLoss(spec, th, tw), *sub_student), None
 
-    per_token, _ = _by_teacher(teacher_hidden.detach(), weights, teacher_index, student, run, spec.dtype)
-    return per_token
+    loss, _ = by_teacher(teacher_hidden.detach(), weights, teacher_index, student, run, spec.dtype)
+    return loss
 
 
 def full_vocab_kl_reduced(
@@ -422,58 +251,14 @@ def full_vocab_kl_reduced(
         temperature, log_prob_min_clamp, chunk_tokens, chunk_vocab, teacher_index, reduced=True,
     )
     check_weights(weights, n)
-    want = torch.is_grad_enabled()
     w_all = weights.detach()
     student = (student_hidden, student_weight, student_logits)
 
     def run(sub_student, th, tw, rows):
         w = w_all if rows is None else w_all.index_select(0, rows.to(w_all.device))
-        total, per_token = _ReducedFullVocabFunction.apply(*sub_student, th, tw, w, spec, transform, want)
-        return per_token, total
+        total, loss = reduced(_FullVocabLoss(spec, th, tw), *sub_student, w, transform)
+        return loss, total
 
-    per_token, total = _by_teacher(teacher_hidden.detach(), t_weights, teacher_index, student, run, spec.dtype)
-    return Reduced(total, per_token)
+    loss, total = by_teacher(teacher_hidden.detach(), t_weights, teacher_index, student, run, spec.dtype)
+    return Reduced(total, loss)
 
-
-def _by_teacher(
-    t_hidden: torch.Tensor,
-    weights: list,
-    teacher_index: torch.Tensor | None,
-    student: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
-    run: Callable,
-    dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Run ``run(student, teacher_hidden, teacher_weight, rows)`` once (rows None), or once per teacher group.
-
-    Multi-teacher: tokens are grouped by teacher, each group runs one chunked pass, the
-    per-token losses are scattered back and the reduced totals (if any) summed.
-    """
-    if teacher_index is None:
-        return run(student, t_hidden, weights[0].detach(), None)
-    n = t_hidden.shape[0]
-    if not isinstance(teacher_index, torch.Tensor) or teacher_index.shape != (n,):
-        shape = tuple(teacher_index.shape) if isinstance(teacher_index, torch.Tensor) else None
-        raise ValueError(f"teacher_index must be a tensor of shape ({n},), got {shape}")
-    _checks.check_ids("teacher_index", teacher_index, len(weights))
-    index = teacher_index.to(device=t_hidden.device, dtype=torch.long)
-    student_hidden, student_weight, student_logits = student
-    out = torch.zeros(n, dtype=dtype, device=t_hidden.device)
-    pieces, total = [], None
-    for j in torch.unique(index).tolist():
-        w = weights[j]
-        if w is None:
-            raise ValueError(f"teacher_index selects teacher {j}, whose teacher_weight is None")
-        rows = (index == j).nonzero(as_tuple=True)[0]
-        th = t_hidden.index_select(0, rows)[:, : w.shape[1]]
-        if student_logits is not None:
-            sub = (None, None, student_logits.index_select(0, rows))
-        else:
-            assert student_hidden is not None
-            sub = (student_hidden.index_select(0, rows), student_weight, None)
-        part, part_total = run(sub, th, w.detach(), rows)
-        if part_total is not None:
-            total = part_total if total is None else total + part_total
-        pieces.append((rows, part))
-    for rows, part in pieces:
-        out = out.index_put((rows,), part)
-    return out, total

@@ -1,9 +1,9 @@
 """Two chunked, differentiable student-side primitives that the top-k losses compose.
 
 * ``student_logsumexp``: the full-vocabulary log-normaliser of the student's
-  temperature-scaled logits, streamed over tiles; its backward recomputes each
-  tile and contracts ``grad · softmax`` straight into ``grad_hidden`` /
-  ``grad_weight``.
+  temperature-scaled logits, streamed over tiles (a ``ChunkedLoss``); its backward
+  recomputes each tile and contracts ``grad · softmax`` straight into
+  ``grad_hidden`` / ``grad_weight``.
 * ``student_logits_at``: the scaled logits at given ids ``[N, K]``; with a fused
   student this is a row-wise dot product with gathered weight rows, done in
   token sub-chunks so the gathered ``[rows, K, H]`` block stays within budget.
@@ -16,64 +16,21 @@ from __future__ import annotations
 
 import torch
 
-from .chunking import (
-    DEFAULT_TILE_ELEMENTS,
-    Chunking,
-    DenseSource,
-    FusedSource,
-    compute_dtype,
-    stream_logsumexp,
-)
+from .chunked_loss import ChunkedLoss, Stats, per_token
+from .chunking import DEFAULT_TILE_ELEMENTS, Chunking, RowBlock, compute_dtype, stream_logsumexp
 
 
-class _StudentLogSumExp(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden, weight, logits, inv_tau: float, chunking: Chunking):
-        dtype = compute_dtype(hidden, weight, logits)
-        if logits is None:
-            src = FusedSource(hidden, weight, inv_tau, dtype=dtype)
-        else:
-            src = DenseSource(logits, inv_tau, dtype=dtype)
-        dev = (logits if logits is not None else hidden).device
-        lse = torch.empty(src.num_tokens, dtype=dtype, device=dev)
-        for t0, t1 in chunking.token_chunks(src.num_tokens):
-            lse[t0:t1] = stream_logsumexp(src.rows(t0, t1), t1 - t0, src.vocab, chunking, dev, dtype)
-        ctx.save_for_backward(hidden, weight, logits, lse)
-        ctx.inv_tau, ctx.chunking = inv_tau, chunking
-        return lse
+class _LogSumExp(ChunkedLoss):
+    """The student's full-vocabulary log-normaliser, streamed over tiles; ``d lse / d a = softmax(a)``."""
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        hidden, weight, logits, lse = ctx.saved_tensors
-        needs = ctx.needs_input_grad[:3]
-        if not any(needs):
-            return None, None, None, None, None
-        dtype = lse.dtype
-        if logits is None:
-            src = FusedSource(hidden, weight, ctx.inv_tau, needs[0], needs[1], dtype=dtype)
-        else:
-            src = DenseSource(logits, ctx.inv_tau, grad_logits=needs[2], dtype=dtype)
-        g = grad_out.to(dtype)
-        for t0, t1 in ctx.chunking.token_chunks(src.num_tokens):
-            gc = g[t0:t1, None]
-            if not bool(gc.any()):
-                continue
-            block = src.rows(t0, t1)
-            for v0, v1 in ctx.chunking.vocab_chunks(src.vocab):
-                # d lse / d a = softmax(a).
-                p = block.tile(v0, v1).sub_(lse[t0:t1, None]).exp_()
-                block.add_grad(v0, v1, p.mul_(gc))
-        if isinstance(src, DenseSource):
-            gl = src.grad_logits
-            return None, None, (gl.to(logits.dtype) if gl is not None else None), None, None
-        gh, gw = src.grad_hidden, src.grad_weight
-        return (
-            gh.to(hidden.dtype) if gh is not None else None,
-            gw.to(weight.dtype) if gw is not None else None,
-            None,
-            None,
-            None,
-        )
+    def chunk_stats(self, block: RowBlock) -> Stats:
+        return (stream_logsumexp(block, block.num_rows, block.vocab, self.chunking, block.src.device, self.dtype),)
+
+    def chunk_grad(self, block: RowBlock, stats: Stats, scale: torch.Tensor) -> None:
+        (lse,) = stats
+        for v0, v1 in self.chunking.vocab_chunks(block.vocab):
+            p = block.tile(v0, v1).sub_(lse[:, None]).exp_()
+            block.add_grad(v0, v1, p.mul_(scale[:, None]))
 
 
 def student_logsumexp(
@@ -84,7 +41,7 @@ def student_logsumexp(
     chunking: Chunking,
 ) -> torch.Tensor:
     """``[N]`` log-sum-exp (float32; float64 for float64 inputs) of the scaled student logits; differentiable."""
-    return _StudentLogSumExp.apply(hidden, weight, logits, inv_tau, chunking)
+    return per_token(_LogSumExp(inv_tau, chunking, compute_dtype(hidden, weight, logits)), hidden, weight, logits)
 
 
 class _FusedLogitsAt(torch.autograd.Function):

@@ -31,14 +31,7 @@ FORMS = ("exact", "renormalised")
 
 def _check_support(ids: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
     """The valid-id mask [N, K]; raise on mismatched or malformed support inputs."""
-    _checks.require_2d("student_topk_ids", ids)
-    _checks.require_2d("teacher_score_logprobs", teacher)
-    _checks.require_float("teacher_score_logprobs", teacher)
-    if ids.shape != teacher.shape:
-        raise ValueError(f"student_topk_ids has shape {tuple(ids.shape)} but teacher_score_logprobs has "
-                         f"{tuple(teacher.shape)}")
-    if ids.shape[1] == 0:
-        raise ValueError("student_topk_ids has k = 0 columns")
+    _checks.check_id_table("student_topk_ids", ids, "teacher_score_logprobs", teacher)
     if ids.is_floating_point():
         raise ValueError(f"student_topk_ids must be an integer tensor, got dtype {ids.dtype}")
     return ids >= 0

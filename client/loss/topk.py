@@ -13,7 +13,9 @@
   normaliser, so ``temperature`` is applied exactly to both sides here.
 
 The student's full-vocabulary log-normaliser (forward only) is streamed in
-tiles; everything else is ``[N, K]``.
+tiles; everything else is ``[N, K]``. ``topk_terms`` states the formulas once: the
+per-token path differentiates it through autograd; the reduced forward KL is a
+``ChunkedLoss`` on whole-vocabulary rows that ``chunked_loss`` runs.
 """
 
 from __future__ import annotations
@@ -21,35 +23,27 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from . import _checks
-from .chunking import Chunking, DenseSource, FusedSource, compute_dtype
+from .chunked_loss import ChunkedLoss, GradFn, RowBuffers, Stats, reduced
+from .chunking import Chunking, RowBlock, compute_dtype
 from .divergences import row_logsumexp
-from .reduced import (
-    Reduced,
-    Transform,
-    add_grads,
-    check_weights,
-    hand_over_grads,
-    row_scale,
-    transformed,
-    weighted_total,
-)
+from .reduced import Reduced, Transform, check_weights, weighted_total
 from .student_ops import student_logits_at, student_logsumexp
 
 
-def _check_topk(teacher_topk_ids: torch.Tensor, teacher_topk_logprobs: torch.Tensor) -> None:
-    _checks.require_2d("teacher_topk_ids", teacher_topk_ids)
-    _checks.require_2d("teacher_topk_logprobs", teacher_topk_logprobs)
-    _checks.require_float("teacher_topk_logprobs", teacher_topk_logprobs)
-    if teacher_topk_ids.shape != teacher_topk_logprobs.shape:
-        raise ValueError(
-            f"teacher_topk_ids has shape {tuple(teacher_topk_ids.shape)} but teacher_topk_logprobs has "
-            f"{tuple(teacher_topk_logprobs.shape)}"
-        )
-    if teacher_topk_ids.shape[1] == 0:
-        raise ValueError("teacher_topk_ids has k = 0 columns")
+def _check_inputs(
+    ids: torch.Tensor,
+    logprobs: torch.Tensor,
+    hidden: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    logits: torch.Tensor | None,
+) -> tuple[int, int]:
+    """Validate the teacher's top-k table and the student; return ``(N, V)``."""
+    _checks.check_id_table("teacher_topk_ids", ids, "teacher_topk_logprobs", logprobs)
+    n, vocab = _checks.check_student(hidden, weight, logits, ids.shape[0])
+    _checks.check_ids("teacher_topk_ids", ids, vocab)
+    return n, vocab
 
 
 def _kl(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
@@ -82,15 +76,8 @@ def topk_kl(
 ) -> torch.Tensor:
     """Per-token top-k divergence, float32 ``[N]`` (float64 for float64 inputs), differentiable
     in the student inputs."""
-    _checks.check_direction(direction, beta)
-    _checks.check_temperature(temperature)
-    _checks.check_clamp(log_prob_min_clamp, direction)
-    _checks.check_chunk("chunk_tokens", chunk_tokens)
-    _check_topk(teacher_topk_ids, teacher_topk_logprobs)
-    n, vocab = _checks.check_student(
-        student_hidden, student_weight, student_logits, teacher_topk_ids.shape[0]
-    )
-    _checks.check_ids("teacher_topk_ids", teacher_topk_ids, vocab)
+    _checks.check_options(direction, beta, temperature, log_prob_min_clamp, chunk_tokens)
+    n, vocab = _check_inputs(teacher_topk_ids, teacher_topk_logprobs, student_hidden, student_weight, student_logits)
     inv_tau = 1.0 / float(temperature)
     t = teacher_topk_logprobs.detach().to(compute_dtype(student_hidden, student_weight, student_logits))
     a_ids = student_logits_at(student_hidden, student_weight, student_logits, teacher_topk_ids, inv_tau)
@@ -128,80 +115,52 @@ def topk_terms(
     return renormalised_divergence(log_qs, log_qt, direction, beta)
 
 
-class _ReducedForwardTopK(torch.autograd.Function):
-    """``Σ_i w_i transform(ℓ_i)`` of verl's forward top-k KL, gradients formed in the forward pass.
+class _ForwardTopKLoss(ChunkedLoss):
+    """verl's forward top-k KL as a ``ChunkedLoss`` on whole-vocabulary rows, for the reduced path.
 
-    Per token chunk: whole-vocabulary rows of student logits (1 matmul), their normaliser and
-    the logits at the ids read from the same rows, the chunk's vector-Jacobian product through
-    ``topk_terms`` (``[rows, K]`` and ``[rows]``, by autograd), then the gradient tile
+    Per token chunk: rows of student logits (1 matmul), their normaliser and the logits at the
+    ids read from the same rows, the chunk's vector-Jacobian product through ``topk_terms``
+    (``[rows, K]`` and ``[rows]``, by autograd), then the gradient tile
     ``g_lse · softmax + scatter(g_ids)`` contracted at once (2 matmuls): 3 matmuls over
     ``N·H·V``, the floor, against the per-token path's 4.
     """
 
-    @staticmethod
-    def forward(ctx, hidden, weight, logits, ids, t, weights, temperature: float, clamp, chunking: Chunking,
-                transform, want: bool):
-        inv_tau = 1.0 / temperature
-        needs = tuple(bool(x) and want for x in ctx.needs_input_grad[:3])
-        dtype = t.dtype
-        if logits is None:
-            src = FusedSource(hidden, weight, inv_tau, needs[0], needs[1], dtype=dtype)
-        else:
-            src = DenseSource(logits, inv_tau, grad_logits=needs[2], dtype=dtype)
-        n, vocab, dev = src.num_tokens, src.vocab, t.device
-        w = weights.to(device=dev, dtype=dtype)
-        per_token = torch.empty(n, dtype=dtype, device=dev)
-        values = torch.empty_like(per_token)
-        for t0, t1 in chunking.token_chunks(n):
-            block, wc, ids_c = src.rows(t0, t1), w[t0:t1], ids[t0:t1]
-            a = block.tile(0, vocab)
-            lse = row_logsumexp(a)
-            with torch.enable_grad():
-                x = a.gather(1, ids_c).requires_grad_()
-                z = lse.detach().requires_grad_()
-                loss = topk_terms(x, z, t[t0:t1], "forward", 0.0, inv_tau, clamp)
-                value, slope = transformed(loss, transform)
-                grad_here = any(needs) and bool(wc.any())
-                if grad_here:
-                    g_ids, g_lse = torch.autograd.grad(loss, [x, z], row_scale(wc, slope))
-            per_token[t0:t1], values[t0:t1] = loss.detach(), value
-            if grad_here:
-                # d/da of the chunk's total: g_lse · softmax(a) + g_ids at the ids.
-                grad = a.sub_(lse[:, None]).exp_().mul_(g_lse[:, None]).scatter_add_(1, ids_c, g_ids)
-                block.add_grad(0, vocab, grad)
-        if isinstance(src, DenseSource):
-            gl = src.grad_logits
-            ctx.grads = [None, None, gl.to(logits.dtype) if gl is not None else None]
-        else:
-            gh, gw = src.grad_hidden, src.grad_weight
-            ctx.grads = [gh.to(hidden.dtype) if gh is not None else None,
-                         gw.to(weight.dtype) if gw is not None else None, None]
-        del src
-        ctx.save_for_backward(hidden, weight, logits, ids, t)
-        ctx.settings = (temperature, clamp, chunking.chunk_tokens)
-        ctx.set_materialize_grads(False)
-        return weighted_total(values, w), per_token
+    def __init__(self, ids: torch.Tensor, t: torch.Tensor, clamp: float | None, inv_tau: float,
+                 chunking: Chunking) -> None:
+        super().__init__(inv_tau, chunking, t.dtype)
+        self.ids, self.t, self.clamp = ids, t, clamp
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_total, grad_per_token):
-        grads, per_token_too = hand_over_grads(ctx, grad_total, grad_per_token)
-        needs = ctx.needs_input_grad[:3]
-        if per_token_too:
-            # The per-token output is differentiable too: through the per-token path, recomputed.
-            temperature, clamp, chunk_tokens = ctx.settings
-            with torch.enable_grad():
-                leaves = [None if x is None else x.detach().requires_grad_(nd) for x, nd in zip(ctx.saved_tensors[:3], needs, strict=True)]
-                ids, t = ctx.saved_tensors[3:]
-                per_token = topk_kl(
-                    ids, t, student_hidden=leaves[0], student_weight=leaves[1], student_logits=leaves[2],
-                    temperature=temperature, log_prob_min_clamp=clamp, chunk_tokens=chunk_tokens,
-                )
-                wanted = [x for x in leaves if x is not None and x.requires_grad]
-                found = iter(torch.autograd.grad(per_token, wanted, grad_per_token))
-            extra = [next(found) if x is not None and x.requires_grad else None for x in leaves]
-            grads = add_grads(grads, extra)
-        return (*grads, None, None, None, None, None, None, None, None)
+    def _terms(self, block: RowBlock, a: torch.Tensor, want_grad: bool) -> tuple[torch.Tensor, GradFn | None]:
+        """The chunk's loss from its whole rows ``a``, and (``want_grad``) the function adding
+        ``Σ_rows scale · dℓ/da`` to ``block``; ``a`` becomes the gradient tile."""
+        ids = self.ids[block.t0 : block.t1]
+        lse = row_logsumexp(a)
+        with torch.enable_grad():
+            x = a.gather(1, ids).requires_grad_()
+            z = lse.detach().requires_grad_()
+            loss = topk_terms(x, z, self.t[block.t0 : block.t1], "forward", 0.0, self.inv_tau, self.clamp)
+
+        def add_grad(scale: torch.Tensor) -> None:
+            g_ids, g_lse = torch.autograd.grad(loss, [x, z], scale)
+            # d/da of the chunk's total: g_lse · softmax(a) + g_ids at the ids.
+            block.add_grad(0, block.vocab, a.sub_(lse[:, None]).exp_().mul_(g_lse[:, None]).scatter_add_(1, ids, g_ids))
+
+        return loss.detach(), (add_grad if want_grad else None)
+
+    def chunk_stats(self, block: RowBlock) -> Stats:
+        return (self._terms(block, block.tile(0, block.vocab), False)[0],)
+
+    def chunk_grad(self, block: RowBlock, stats: Stats, scale: torch.Tensor) -> None:
+        _, add_grad = self._terms(block, block.tile(0, block.vocab), True)
+        assert add_grad is not None
+        add_grad(scale)
+
+    def chunk_stats_and_grad(
+        self, block: RowBlock, buffers: RowBuffers, want_grad: bool
+    ) -> tuple[Stats, GradFn | None]:
+        """The gradient tile is formed in place in the rows the loss was read from."""
+        loss, add_grad = self._terms(block, block.tile(0, block.vocab, out=buffers.get(0, block.num_rows)), want_grad)
+        return (loss,), add_grad
 
 
 def topk_kl_reduced(
@@ -227,30 +186,22 @@ def topk_kl_reduced(
     held at a time. Reverse / JSD touch ``[N, K]`` only, so they are the per-token loss reduced
     under autograd. ``per_token`` is differentiable in every direction (see ``Reduced``).
     """
-    _checks.check_direction(direction, beta)
-    _checks.check_temperature(temperature)
-    _checks.check_clamp(log_prob_min_clamp, direction)
-    _checks.check_chunk("chunk_tokens", chunk_tokens)
-    _check_topk(teacher_topk_ids, teacher_topk_logprobs)
-    n, vocab = _checks.check_student(student_hidden, student_weight, student_logits, teacher_topk_ids.shape[0])
-    _checks.check_ids("teacher_topk_ids", teacher_topk_ids, vocab)
+    _checks.check_options(direction, beta, temperature, log_prob_min_clamp, chunk_tokens)
+    n, vocab = _check_inputs(teacher_topk_ids, teacher_topk_logprobs, student_hidden, student_weight, student_logits)
     check_weights(weights, n)
-    w = weights.detach()
+    student = (student_hidden, student_weight, student_logits)
     if direction != "forward":
         per_token = topk_kl(
             teacher_topk_ids, teacher_topk_logprobs, student_hidden=student_hidden, student_weight=student_weight,
             student_logits=student_logits, direction=direction, beta=beta, temperature=temperature,
         )
         values = per_token if transform is None else transform(per_token)
-        return Reduced(weighted_total(values, w.to(values.dtype)), per_token)
-    t = teacher_topk_logprobs.detach().to(compute_dtype(student_hidden, student_weight, student_logits))
-    dev = t.device
-    chunking = Chunking.resolve_rows(n, vocab, chunk_tokens, None, dev)
-    total, per_token = _ReducedForwardTopK.apply(
-        student_hidden, student_weight, student_logits, teacher_topk_ids.to(device=dev, dtype=torch.long), t, w,
-        float(temperature), log_prob_min_clamp, chunking, transform, torch.is_grad_enabled(),
-    )
-    return Reduced(total, per_token)
+        return Reduced(weighted_total(values, weights.detach().to(values.dtype)), per_token)
+    t = teacher_topk_logprobs.detach().to(compute_dtype(*student))
+    chunking = Chunking.resolve_rows(n, vocab, chunk_tokens, None, t.device)
+    ids = teacher_topk_ids.to(device=t.device, dtype=torch.long)
+    loss = _ForwardTopKLoss(ids, t, log_prob_min_clamp, 1.0 / float(temperature), chunking)
+    return reduced(loss, *student, weights, transform)
 
 
 def topk_masses(
@@ -268,11 +219,7 @@ def topk_masses(
     A diagnostic (as verl logs it): how much of each distribution the top-k
     losses actually see. Computed without gradient.
     """
-    _check_topk(teacher_topk_ids, teacher_topk_logprobs)
-    n, vocab = _checks.check_student(
-        student_hidden, student_weight, student_logits, teacher_topk_ids.shape[0]
-    )
-    _checks.check_ids("teacher_topk_ids", teacher_topk_ids, vocab)
+    n, vocab = _check_inputs(teacher_topk_ids, teacher_topk_logprobs, student_hidden, student_weight, student_logits)
     inv_tau = 1.0 / float(temperature)
     with torch.no_grad():
         chunking = Chunking.resolve(n, vocab, chunk_tokens, None)
