@@ -163,6 +163,29 @@ def _reduction_weights(
     return weights if bool(torch.isfinite(weights).all()) else None
 
 
+def _step_metrics(s: LossSettings, per_token: torch.Tensor, mask: torch.Tensor | None,
+                  inputs: dict[str, Any]) -> dict[str, float]:
+    """verl's loss metrics for the step: the masses on the top-k (teacher's or student's support)
+    where the loss has one, and the mean |loss| of a sampled estimator."""
+    student_mass = teacher_mass = None
+    student = {name: inputs[name] for name in ("student_hidden", "student_weight", "student_logits")}
+    if s.is_topk:
+        student_mass, teacher_mass = topk_masses(
+            inputs["teacher_topk_ids"], inputs["teacher_topk_logprobs"], **student, chunk_tokens=s.chunk_tokens,
+            temperature=1.0 if s.loss_mode == "forward_kl_topk" else s.kd_temperature,
+        )
+    if s.is_student_topk:  # the masses on the student's support
+        student_mass, teacher_mass = student_topk_masses(
+            inputs["student_topk_ids"], inputs["teacher_score_logprobs"], **student,
+            temperature=s.kd_temperature, chunk_tokens=s.chunk_tokens,
+        )
+    metrics = loss_metrics(per_token, mask, student_mass=student_mass, teacher_mass=teacher_mass)
+    if s.is_sampled:
+        valid = torch.ones_like(per_token, dtype=torch.bool) if mask is None else mask.bool()
+        metrics["abs_loss"] = per_token.detach()[valid].abs().mean().item() if bool(valid.any()) else float("nan")
+    return metrics
+
+
 def distillation_loss(
     config: Any,
     *,
@@ -207,22 +230,7 @@ def distillation_loss(
         per_token = _topk_floor(s, reduced.per_token)
     else:
         per_token = _topk_floor(s, _loss_call(s, inputs))
-    student_mass = teacher_mass = None
-    if s.is_topk:
-        student_mass, teacher_mass = topk_masses(
-            teacher_topk_ids, teacher_topk_logprobs, student_hidden=student_hidden,
-            student_weight=student_weight, student_logits=student_logits, chunk_tokens=s.chunk_tokens,
-            temperature=1.0 if s.loss_mode == "forward_kl_topk" else s.kd_temperature,
-        )
-    if s.is_student_topk:  # the masses on the student's support
-        student_mass, teacher_mass = student_topk_masses(
-            student_topk_ids, teacher_score_logprobs, student_hidden=student_hidden, student_weight=student_weight,
-            student_logits=student_logits, temperature=s.kd_temperature, chunk_tokens=s.chunk_tokens,
-        )
-    metrics = loss_metrics(per_token, mask, student_mass=student_mass, teacher_mass=teacher_mass)
-    if s.is_sampled:
-        valid = torch.ones_like(per_token, dtype=torch.bool) if mask is None else mask.bool()
-        metrics["abs_loss"] = per_token.detach()[valid].abs().mean().item() if bool(valid.any()) else float("nan")
+    metrics = _step_metrics(s, per_token, mask, inputs)
     per_token = _max_clamp(s, per_token)
     if s.use_policy_gradient:
         scale = s.coefficient * (1.0 if s.pg_ratio is None else float(s.pg_ratio))
