@@ -84,16 +84,23 @@ def _load_npy(data: bytes, field: str) -> np.ndarray:
         raise ValueError(f"{field}: not a readable .npy array ({exc})") from exc
 
 
+def _npy_media(data: bytes, field: str, ndims: tuple[int, ...], shape: str, what: str) -> np.ndarray:
+    """A media item sent as a .npy array, checked for the one thing every decoder needs: numbers
+    of a shape the model's processor takes (`what` must be `shape`)."""
+    array = _load_npy(data, field)
+    if array.ndim not in ndims:
+        raise ValueError(f"{field}: {what} must be {shape}, got shape {array.shape}")
+    if not np.issubdtype(array.dtype, np.number):
+        raise ValueError(f"{field}: {what} must be numeric, got dtype {array.dtype}")
+    return array
+
+
 def decode_image(item: MediaItem, field: str = "images[0]"):
     kind = _base_type(item.media_type)
     if kind in NPY_TYPES:
         from PIL import Image
 
-        array = _load_npy(item.data, field)
-        if not np.issubdtype(array.dtype, np.number):
-            raise ValueError(f"{field}: an image array must be numeric, got dtype {array.dtype}")
-        if array.ndim not in (2, 3):
-            raise ValueError(f"{field}: an image array must be [H, W] or [H, W, C], got shape {array.shape}")
+        array = _npy_media(item.data, field, (2, 3), "[H, W] or [H, W, C]", "an image array")
         try:
             return Image.fromarray(np.ascontiguousarray(array.astype(np.uint8) if array.dtype != np.uint8 else array))
         except Exception as exc:
@@ -140,11 +147,7 @@ def _read_wav(data: bytes, field: str) -> tuple[np.ndarray, int]:
 def decode_audio(item: MediaItem, field: str = "audios[0]", sample_rate: int | None = None) -> tuple[np.ndarray, int]:
     kind = _base_type(item.media_type)
     if kind in NPY_TYPES:
-        array = _load_npy(item.data, field)
-        if array.ndim != 1:
-            raise ValueError(f"{field}: an audio array must be 1-D (mono samples), got shape {array.shape}")
-        if not np.issubdtype(array.dtype, np.number):
-            raise ValueError(f"{field}: an audio array must be numeric, got dtype {array.dtype}")
+        array = _npy_media(item.data, field, (1,), "1-D (mono samples)", "an audio array")
         return array.astype(np.float32), _sample_rate(item, field, sample_rate)
     if kind in WAV_TYPES:
         try:
@@ -181,12 +184,7 @@ def _has_soundfile() -> bool:
 def decode_video(item: MediaItem, field: str = "videos[0]"):
     kind = _base_type(item.media_type)
     if kind in NPY_TYPES:
-        array = _load_npy(item.data, field)
-        if array.ndim != 4:
-            raise ValueError(f"{field}: video frames must be [T, H, W, C], got shape {array.shape}")
-        if not np.issubdtype(array.dtype, np.number):
-            raise ValueError(f"{field}: video frames must be numeric, got dtype {array.dtype}")
-        return array
+        return _npy_media(item.data, field, (4,), "[T, H, W, C]", "video frames")
     if not kind.startswith("video/"):
         raise ValueError(f"{field}: media type {item.media_type!r} is not a video type (video/mp4, ...)")
     try:

@@ -45,21 +45,8 @@ from proctor.server.engines.base import (
     TeacherEngine,
 )
 from proctor.server.pool import VISIBLE_DEVICES_ENV
+from proctor.server.worker import messages
 from proctor.server.worker.arena import create_arena
-from proctor.server.worker.messages import (
-    Abort,
-    Close,
-    Failed,
-    Health,
-    Message,
-    Raised,
-    Ready,
-    Reply,
-    Score,
-    Start,
-    StartFailed,
-    Unembedding,
-)
 from proctor.server.worker.protocol import Channel
 
 log = logging.getLogger(__name__)
@@ -157,7 +144,7 @@ class WorkerClient(TeacherEngine):
             loop.create_task(self._pump_output(), name=f"proctor-host-{self.name}-output"),
             loop.create_task(self._watch_exit(), name=f"proctor-host-{self.name}-exit"),
         ]
-        self._send(Start(host_spec(self.spec), self.build))
+        self._send(messages.Start(host_spec(self.spec), self.build))
         timeout = self.spec.startup_timeout_s
         try:
             self._info, self._budget = await asyncio.wait_for(asyncio.shield(self._ready), timeout)
@@ -178,7 +165,7 @@ class WorkerClient(TeacherEngine):
             return
         if proc.returncode is None and self._channel is not None and not self._suspect:
             with contextlib.suppress(Exception):
-                self._send(Close())
+                self._send(messages.Close())
                 await asyncio.wait_for(proc.wait(), CLOSE_GRACE_S)
         self._kill_group()
         with contextlib.suppress(Exception):
@@ -207,12 +194,12 @@ class WorkerClient(TeacherEngine):
                 child.kill()
 
     # -- the socket ------------------------------------------------------------------------
-    def _send(self, message: Message) -> None:
+    def _send(self, message: messages.Message) -> None:
         if self._channel is None or self._exit is not None:
             raise EngineError(f"{self.name}: engine host is not running ({self._exit or 'closed'})")
         self._channel.send(message)
 
-    async def _call(self, ask: Callable[[int], Message], timeout: float | None = None) -> Any:
+    async def _call(self, ask: Callable[[int], messages.Message], timeout: float | None = None) -> Any:
         """Send `ask(call)` and wait for that call's answer."""
         call = next(self._ids)
         future = asyncio.get_running_loop().create_future()
@@ -229,22 +216,22 @@ class WorkerClient(TeacherEngine):
             self._on_message(message)
             message = None  # a reply's buffers (shared memory) are not held while the next is awaited
 
-    def _on_message(self, message: Message) -> None:
+    def _on_message(self, message: messages.Message) -> None:
         """The one place the front acts on a worker message, by its kind."""
         match message:
-            case Ready(info, token_budget):
+            case messages.Ready(info, token_budget):
                 if not self._ready.done():
                     self._ready.set_result((info, token_budget))
-            case StartFailed(text):
+            case messages.StartFailed(text):
                 if not self._ready.done():
                     self._ready.set_exception(EngineError(
                         f"{self.name}: engine failed to start: {text}; its last output:\n{self.log_tail()}"))
-            case Reply(call, value):
+            case messages.Reply(call, value):
                 self._answer(call, lambda future: future.set_result(value))
-            case Raised(call, cause, out_of_memory):  # the engine raised on this call, its process alive
+            case messages.Raised(call, cause, out_of_memory):  # the engine raised on this call, its process alive
                 self._answer(call, lambda future: future.set_exception(
                     BatchFailed(f"{self.name}: {cause}", out_of_memory=out_of_memory)))
-            case Failed(call, text):
+            case messages.Failed(call, text):
                 self._answer(call, lambda future: future.set_exception(EngineError(f"{self.name}: {text}")))
             case _:
                 log.error("%s: message %s is not one a worker sends", self.name, type(message).__name__)
@@ -287,20 +274,20 @@ class WorkerClient(TeacherEngine):
 
     async def score(self, batch: list[EngineRequest]) -> list[Outcome]:
         try:
-            return await self._call(lambda call: Score(call, batch))
+            return await self._call(lambda call: messages.Score(call, batch))
         except EngineError:
             self._suspect = True
             raise
 
     async def abort(self, request_keys: list[str]) -> None:
         with contextlib.suppress(EngineError):
-            self._send(Abort(list(request_keys)))
+            self._send(messages.Abort(list(request_keys)))
 
     async def check_health(self) -> bool:
         if self._exit is not None or self._proc is None:
             return False
         try:
-            healthy = bool(await self._call(Health, timeout=self.health_timeout_s))
+            healthy = bool(await self._call(messages.Health, timeout=self.health_timeout_s))
         except (TimeoutError, EngineError):
             healthy = False
         self._suspect = self._suspect or not healthy
@@ -316,7 +303,7 @@ class WorkerClient(TeacherEngine):
         """From the worker's engine (the torch model's own output embedding; vLLM's from its
         checkpoint), once; cut to the vocabulary the teacher serves."""
         if self._unembedding is None:
-            weight = await self._call(Unembedding)
+            weight = await self._call(messages.Unembedding)
             if self._info is not None:
                 weight = weight[: self._info.vocab_size].contiguous()
             self._unembedding = weight

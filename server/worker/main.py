@@ -23,21 +23,7 @@ import sys
 from typing import Any
 
 from proctor.server.engines.base import EngineError, describe_fault, is_out_of_memory
-from proctor.server.worker.messages import (
-    Abort,
-    Close,
-    Failed,
-    Free,
-    Health,
-    Message,
-    Raised,
-    Ready,
-    Reply,
-    Score,
-    Start,
-    StartFailed,
-    Unembedding,
-)
+from proctor.server.worker import messages
 from proctor.server.worker.protocol import Channel
 from proctor.server.worker.wire import encode_outcomes
 
@@ -54,10 +40,10 @@ class EngineHost:
 
     async def serve(self) -> None:
         message = await self.channel.receive()
-        if not isinstance(message, Start) or not await self._start(message.spec, message.build):
+        if not isinstance(message, messages.Start) or not await self._start(message.spec, message.build):
             return
         try:
-            while (message := await self.channel.receive()) is not None and not isinstance(message, Close):
+            while (message := await self.channel.receive()) is not None and not isinstance(message, messages.Close):
                 self._dispatch(message)
         finally:
             for task in list(self._tasks):
@@ -74,24 +60,24 @@ class EngineHost:
             await self.engine.start()
         except Exception as exc:
             log.exception("engine failed to start")
-            await self._send(StartFailed(f"{type(exc).__name__}: {exc}"))
+            await self._send(messages.StartFailed(f"{type(exc).__name__}: {exc}"))
             return False
-        await self._send(Ready(self.engine.describe(), self.engine.token_budget()))
+        await self._send(messages.Ready(self.engine.describe(), self.engine.token_budget()))
         return True
 
-    def _dispatch(self, message: Message) -> None:
+    def _dispatch(self, message: messages.Message) -> None:
         """The one place the worker acts on a front message, by its kind."""
         match message:
-            case Free(offsets):  # the front is done with these blocks of the shared arena
+            case messages.Free(offsets):  # the front is done with these blocks of the shared arena
                 if self.channel.arena_out is not None:
                     self.channel.arena_out.free(offsets)
-            case Abort(keys):
+            case messages.Abort(keys):
                 self._spawn(self.engine.abort(list(keys)))
-            case Score(call, batch):
+            case messages.Score(call, batch):
                 self._spawn(self._reply(call, self._score(batch)))
-            case Health(call):
+            case messages.Health(call):
                 self._spawn(self._reply(call, self.engine.check_health()))
-            case Unembedding(call):  # the model's own output embedding, read off this loop
+            case messages.Unembedding(call):  # the model's own output embedding, read off this loop
                 self._spawn(self._reply(call, asyncio.to_thread(self.engine.unembedding)))
             case _:
                 log.error("message %s is not one the front sends", type(message).__name__)
@@ -113,15 +99,15 @@ class EngineHost:
         except asyncio.CancelledError:
             raise
         except EngineError as exc:
-            await self._send(Failed(call, f"{type(exc).__name__}: {exc}"))
+            await self._send(messages.Failed(call, f"{type(exc).__name__}: {exc}"))
             return
         except Exception as exc:
             log.exception("the engine raised on call %d", call)
-            await self._send(Raised(call, describe_fault(exc), is_out_of_memory(exc)))
+            await self._send(messages.Raised(call, describe_fault(exc), is_out_of_memory(exc)))
             return
-        await self._send(Reply(call, value))
+        await self._send(messages.Reply(call, value))
 
-    async def _send(self, message: Message) -> None:
+    async def _send(self, message: messages.Message) -> None:
         self.channel.send(message)
         await self.channel.drain()
 
