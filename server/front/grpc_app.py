@@ -63,15 +63,21 @@ def _serializer(response_type: type[Message]):
     return serialize
 
 
+async def _parsed(raw: bytes, context: grpc.aio.ServicerContext, message_type: type[Message]) -> Message:
+    """The request a handler received as raw bytes (see `_parse`); a bad one aborts the call
+    (`context.abort` raises), so a handler never runs on it."""
+    try:
+        return _parse(raw, message_type)
+    except ScoringError as error:
+        await _abort(context, error)
+        raise  # not reached: abort raises
+
+
 def _unary(method, message_type: type[Message], response_type: type[Message]) -> grpc.RpcMethodHandler:
-    """A unary handler that receives raw bytes and parses them itself (see `_parse`)."""
+    """A unary handler that receives raw bytes and parses them itself."""
 
     async def handle(raw, context):
-        try:
-            request = _parse(raw, message_type)
-        except ScoringError as error:
-            await _abort(context, error)
-        return await method(request, context)
+        return await method(await _parsed(raw, context, message_type), context)
 
     return grpc.unary_unary_rpc_method_handler(handle, response_serializer=_serializer(response_type))
 
@@ -80,11 +86,7 @@ def _streaming(method, message_type: type[Message], response_type: type[Message]
     """A server-streaming handler that receives raw bytes and parses them itself."""
 
     async def handle(raw, context):
-        try:
-            request = _parse(raw, message_type)
-        except ScoringError as error:
-            await _abort(context, error)
-            return
+        request = await _parsed(raw, context, message_type)
         async for item in method(request, context):
             yield item
 
