@@ -108,6 +108,16 @@ class ScoringService:
             raise ScoringError(Code.UNAVAILABLE, f"server is {self.state.value}", retry_after=NOT_READY_RETRY_S)
 
     # -- scoring ---------------------------------------------------------------------------
+    def route(self, request: scoring_pb2.ScoreRequest) -> ReplicaSet:
+        """The teacher `request` goes to, by the rule `score` routes with, for a transport that
+        must know it before scoring (/v1/completions tokenizes text with the teacher's
+        tokenizer); a key that names no teacher is counted as `score` counts it."""
+        try:
+            return self.router.route(request.teacher_key)
+        except ScoringError as exc:
+            self.metrics.request_done("unknown", request_mode(request), exc.code.name.lower())
+            raise
+
     def _admit(self, teacher: ReplicaSet, tokens: int) -> _Admission:
         admission = self._admitted[teacher.name]
         if (
