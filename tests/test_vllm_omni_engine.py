@@ -33,7 +33,9 @@ from proctor.server.engines.base import (
 from proctor.server.engines.factory import create_engine
 from proctor.server.engines.vllm_omni import engine as omni_mod
 from proctor.server.engines.vllm_omni.config import PIPELINES, deploy_config, stage_config
-from proctor.server.engines.vllm_omni.engine import VllmOmniEngine, build_prompt, extract_hidden, stage_output
+from proctor.server.engines.vllm_omni.engine import VllmOmniEngine
+from proctor.server.engines.vllm_omni.outputs import extract_hidden, stage_output
+from proctor.server.engines.vllm_omni.prompts import build_prompt
 from proctor.server.engines.vllm_omni.stages import classify_stage_error
 
 from omni_fakes import CLIENT_ERROR, ENGINE_ERROR, IMAGE, SLOW, FakeAsyncOmni, fake_omni, legacy_max_num_seqs

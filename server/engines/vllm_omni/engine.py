@@ -1,9 +1,10 @@
 """A multimodal teacher replica on vLLM-Omni's AR pipeline (`AsyncOmni`): log-probs, top-k and
 the Thinker's hidden states for prompts with images, audio and video.
 
-(A little over 400 lines: the engine class itself, whose start-up deadline, stage watcher, abort
-and score_ids paths each mirror a piece of vLLM-Omni's behaviour; its configuration and stage
-bookkeeping already live in `omni_config` and `omni_stages`.)
+This module is the engine class: its lifecycle, the stage watcher, health, abort and the scoring
+path. What it hands AsyncOmni lives in `prompts`, how it reads the answer in `outputs`, how
+AsyncOmni is started (config file, deadline, the versions' config schemas) in `startup`, the
+stage settings in `config` and the stage error shapes and process liveness in `stages`.
 
 Settings (`inference.engine_kwargs.vllm_omni`, as verl-omni writes them):
 - `output_mode: "ar"` (required): the teacher runs the autoregressive Thinker only; no Talker,
@@ -13,28 +14,6 @@ Settings (`inference.engine_kwargs.vllm_omni`, as verl-omni writes them):
   one-stage vLLM-Omni config for it (`deploy_config` / `stage_configs_path` override that file).
 - `max_logprobs`: seeded from the teacher's top-k, validated against it.
 - anything else is passed through to the Thinker stage's engine args.
-
-Which vLLM-Omni this is written against (read from the released wheels, not the git tree):
-0.30.0 (the CUDA image's pin) and 0.18.0 (the Ascend image's pin). They take different config
-files, so proctor writes the one the installed version reads (`config_schema`):
-- 0.30.0 refuses `stage_configs_path` (`entrypoints/utils.py:prepare_stage_config_inputs`) and
-  the `stage_args` schema (`config/stage_config.py:load_deploy_config`); it takes
-  `deploy_config=<yaml>` whose `pipeline:` names a registered topology
-  (`config/pipeline_registry.py`: `qwen3_omni_moe_thinker_only`, `qwen2_5_omni_thinker_only`)
-  and whose `stages[0]` holds the deployment knobs (`_parse_stage_deploy`; keys that are not
-  `StageDeployConfig` fields land in `engine_extras`, which `_build_engine_args` applies last, so
-  `engine_output_type: latent` overrides the thinker-only topology's "text").
-- 0.18.0 reads the legacy `stage_args` YAML (`entrypoints/utils.py:load_stage_configs_from_yaml`).
-Batch size: `runtime.max_batch_size` is the legacy knob; where vLLM-Omni still reads it, it
-becomes `max_num_seqs` (0.18.0 `StageConfig.to_omegaconf`: setdefault from it, then default 1;
-the Dec-2025 git tree's `omni_stage.py` even overwrote `max_num_seqs` with it, default 1). Proctor
-never writes it and sets `max_num_seqs` itself: the teacher's `max_num_seqs`, else 256.
-
-Scoring is the vLLM engine's: one prompt per sequence, `SamplingParams(max_tokens=1,
-prompt_logprobs=K, detokenize=False)`, with `multi_modal_data` as the service decoded it
-(`MultiModalInputs.decoded`) and `mm_processor_kwargs` exactly as the rollout sent them; the
-token ids must already hold the expanded placeholders (what the rollout's processor produced and
-vLLM generated from), and a result whose length differs is refused rather than misaligned.
 
 Faults, in the terms of `base.py` (see `classify_stage_error` for the message shapes):
 - cancellation: `abort(request_ids)` calls `AsyncOmni.abort` with the ids proctor submitted
@@ -50,18 +29,8 @@ Faults, in the terms of `base.py` (see `classify_stage_error` for the message sh
   it, checks the stage processes it saw appear while the engine started (this process's direct
   children, i.e. the stage engine-core processes the orchestrator thread spawned). A watcher task
   polls them, and when one exits every in-flight request fails at once with `EngineError`.
-- start-up: `init_timeout` / `stage_init_timeout` (both versions' `OmniBase.__init__`) get
-  `EngineSpec.startup_timeout_s`, and the start is wrapped in the same deadline, so a stage that
-  never becomes ready fails with an `EngineError` carrying the last vLLM-Omni log lines.
-
-Hidden states: vLLM-Omni's AR model runner (`GPUARModelRunner` / `NPUARModelRunner`) attaches
-to every scheduled chunk a payload `{"hidden": <last-layer activations of the chunk's tokens>}`
-when the stage's `engine_output_type` is not "text" (it is "latent" here); the output processor
-accumulates the chunks (renaming "hidden" to the stage's output type) into the request output's
-`multimodal_output`. Those are the Thinker's text hidden states after its final norm, what its
-`lm_head` consumes, so one engine serves log-probs and hidden states together; they are read
-only for requests that ask for them. The cost is the runner's device→host copy of [T, H] per
-request, paid whether or not the request wanted hidden states.
+- start-up: a deadline from `EngineSpec.startup_timeout_s`, for vLLM-Omni and around it
+  (`startup`).
 
 Why not the vLLM engine's scoring pooler (`vllm_scoring_model`): vLLM-Omni's entry point submits
 generation requests only — `AsyncOmni.encode()` raises NotImplementedError ("encode() is not
@@ -82,11 +51,8 @@ a GPU.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import tempfile
-from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -101,100 +67,23 @@ from proctor.server.engines.base import (
     RequestRejected,
 )
 from proctor.server.engines.checks import check_vllm_settings
-from proctor.server.engines.multimodal import decoded_media
-from proctor.server.engines.score_ids import scores_from_hidden
-from proctor.server.engines.vllm.args import (
-    engine_kwargs_of,
-    engine_request_id,
-    scoring_sampling_kwargs,
-)
+from proctor.server.engines.vllm.args import engine_request_id
 from proctor.server.engines.vllm.family import VllmFamilyEngine
 from proctor.server.engines.vllm.media import VllmMedia
-from proctor.server.engines.vllm_omni.config import (
-    ENGINE,
-    config_schema,
-    deploy_config,
-    omni_pipeline,
-    stage_config,
-)
-from proctor.server.engines.vllm_omni.prompt_logprobs import extract_rows, hidden_rows
-from proctor.server.engines.vllm_omni.stages import (
-    LogTail,
-    child_processes,
-    classify_stage_error,
-    process_exit,
-)
+from proctor.server.engines.vllm_omni import prompts
+from proctor.server.engines.vllm_omni.config import ENGINE, config_schema, omni_pipeline
+from proctor.server.engines.vllm_omni.outputs import read_result, score_ids_from_hidden
+from proctor.server.engines.vllm_omni.stages import classify_stage_error, process_exit
+from proctor.server.engines.vllm_omni.startup import config_file_kwargs, start_omni
 
 log = logging.getLogger(__name__)
 
-# Keys of the accumulated multimodal_output that hold the Thinker's hidden states, in order.
-HIDDEN_KEYS = ("hidden", "latent", "latents", "model_outputs")
 # How often the watcher looks at the stage processes, and how long health and abort may take.
 STAGE_POLL_S = 0.5
 HEALTH_TIMEOUT_S = 10.0
 ABORT_TIMEOUT_S = 10.0
 # Slack past the start-up deadline for vLLM-Omni's own init_timeout to fire first.
 STARTUP_GRACE_S = 5.0
-
-
-def build_prompt(request: EngineRequest, media_rule: VllmMedia | None = None) -> dict[str, Any]:
-    """The TokensPrompt (a dict) for one request: ids, media as the service decoded it, processor
-    kwargs as sent. With the model's placeholder rule (`vllm_media`; a checkpoint whose config
-    names its placeholder tokens) each placeholder run is collapsed for the stage's processor to
-    expand again; without one the ids go as sent and only their length is checked afterwards."""
-    if media_rule is not None and media_rule.kinds:
-        return media_rule.token_prompt(request)
-    prompt: dict[str, Any] = {"prompt_token_ids": request.token_ids.tolist()}
-    media = request.media
-    if media:
-        prompt["multi_modal_data"] = decoded_media(request)
-        if media.processor_kwargs:
-            prompt["mm_processor_kwargs"] = dict(media.processor_kwargs)
-    return prompt
-
-
-def stage_output(output: Any) -> Any:
-    """The vLLM RequestOutput inside an OmniRequestOutput (or the output itself)."""
-    inner = getattr(output, "request_output", None)
-    return inner if inner is not None else output
-
-
-def _as_tensor(value: Any) -> torch.Tensor | None:
-    if isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, list | tuple) and value and all(isinstance(v, torch.Tensor) for v in value):
-        return torch.cat([v.reshape(-1, v.shape[-1]) for v in value], dim=0)
-    return None
-
-
-def extract_hidden(request_output: Any, total: int) -> torch.Tensor:
-    """The Thinker's per-position hidden states [T, H] from a finished request's multimodal output.
-
-    vLLM-Omni attaches the accumulated payload to the RequestOutput (`multimodal_output`) and to
-    its completion (`outputs[0].multimodal_output`); a chunked prefill leaves a list of chunks.
-    """
-    holders = [request_output, *list(getattr(request_output, "outputs", None) or [])[:1]]
-    for holder in holders:
-        payload = getattr(holder, "multimodal_output", None)
-        if not isinstance(payload, Mapping):
-            continue
-        for key in HIDDEN_KEYS:
-            states = _as_tensor(payload.get(key))
-            if states is not None:
-                if states.dim() != 2 or states.shape[0] < total:
-                    raise EngineError(
-                        f"vLLM-Omni returned hidden states of shape {tuple(states.shape)} for {total} tokens"
-                    )
-                return states[:total]  # a decode step, if any ran, is not part of the prompt
-    raise EngineError(
-        "vLLM-Omni returned no hidden states: the Thinker stage needs engine_output_type='latent' "
-        f"(looked for {', '.join(HIDDEN_KEYS)} in multimodal_output)"
-    )
-
-
-# --------------------------------------------------------------------------------------------
-# The engine
-# --------------------------------------------------------------------------------------------
 
 
 class VllmOmniEngine(VllmFamilyEngine):
@@ -249,18 +138,10 @@ class VllmOmniEngine(VllmFamilyEngine):
     # -- lifecycle -------------------------------------------------------------------------
     def _config_kwargs(self) -> dict[str, str]:
         """`deploy_config=` or `stage_configs_path=` for AsyncOmni: the user's file, else ours."""
-        schema = self._config_schema()
-        key = "deploy_config" if schema == "deploy" else "stage_configs_path"
-        given = engine_kwargs_of(self.spec, ENGINE).get(key)
-        if given:
-            return {key: str(given)}
-        import yaml
-
-        build = deploy_config if schema == "deploy" else stage_config
-        self._stage_dir = tempfile.TemporaryDirectory(prefix="proctor-omni-")
-        path = Path(self._stage_dir.name) / f"{self.pipeline.name}_thinker.yaml"
-        path.write_text(yaml.safe_dump(build(self.spec, self.pipeline, self.max_logprobs)))
-        return {key: str(path)}
+        kwargs, folder = config_file_kwargs(self.spec, self.pipeline, self.max_logprobs, self._config_schema())
+        if folder is not None:
+            self._stage_dir = folder
+        return kwargs
 
     async def _start_engines(self) -> None:
         omni_cls = self._async_omni_class()
@@ -274,48 +155,12 @@ class VllmOmniEngine(VllmFamilyEngine):
             "stage_init_timeout": max(1, int(deadline)),
         }
         log.info("starting vLLM-Omni teacher %s with %s", self.spec.model_path, config)
-        before = set(child_processes())
-        loop = asyncio.get_running_loop()
-        tail = LogTail()
-        with tail.attached():
-            pending = loop.run_in_executor(None, lambda: omni_cls(**kwargs))
-            try:
-                self._omni = await asyncio.wait_for(asyncio.shield(pending), deadline + STARTUP_GRACE_S)
-            except Exception as exc:
-                if not pending.done():  # our deadline, not vLLM-Omni's own error
-                    self._abandon_start(pending, before)
-                    raise EngineError(
-                        f"vLLM-Omni did not become ready within {deadline:.0f}s (startup_timeout_s); "
-                        f"last log lines:\n{tail.text()}"
-                    ) from exc
-                self._kill_new_children(before)
-                raise EngineError(
-                    f"vLLM-Omni failed to start: {type(exc).__name__}: {exc}; last log lines:\n{tail.text()}"
-                ) from exc
-        self._stage_procs = {pid: p for pid, p in child_processes().items() if pid not in before}
+        self._omni, self._stage_procs = await start_omni(omni_cls, kwargs, deadline_s=deadline,
+                                                         grace_s=STARTUP_GRACE_S)
         if not self._stage_procs:
             log.warning("vLLM-Omni started no stage process visible to proctor: only its own health checks apply")
-        self._death = loop.create_future()
+        self._death = asyncio.get_running_loop().create_future()
         self._watcher = asyncio.create_task(self._watch_stages(), name="vllm-omni-stage-watcher")
-
-    def _abandon_start(self, pending: asyncio.Future, before: set[int]) -> None:
-        """A start past its deadline: kill the stage processes it spawned and shut the engine
-        down should its constructor still return."""
-
-        def _late(done: asyncio.Future) -> None:
-            if not done.cancelled() and done.exception() is None:
-                with contextlib.suppress(Exception):
-                    done.result().shutdown()
-
-        pending.add_done_callback(_late)
-        self._kill_new_children(before)
-
-    @staticmethod
-    def _kill_new_children(before: set[int]) -> None:
-        for pid, process in child_processes().items():
-            if pid not in before:
-                with contextlib.suppress(Exception):
-                    process.kill()
 
     async def _watch_stages(self) -> None:
         """Poll the stage processes; the first one gone fails the replica and its requests."""
@@ -383,10 +228,9 @@ class VllmOmniEngine(VllmFamilyEngine):
             log.warning("vLLM-Omni abort of %s failed: %s: %s", engine_ids, type(exc).__name__, exc)
 
     # -- scoring ---------------------------------------------------------------------------
-    def sampling_params(self, topk: int):
-        from vllm import SamplingParams
-
-        return SamplingParams(**scoring_sampling_kwargs(topk))
+    def sampling_params(self, topk: int) -> Any:
+        """The scoring SamplingParams every request is generated with (`prompts`)."""
+        return prompts.sampling_params(topk)
 
     async def score(self, batch: list[EngineRequest]) -> list[Outcome]:
         if self._dead is not None:
@@ -414,20 +258,15 @@ class VllmOmniEngine(VllmFamilyEngine):
             raise
         finally:
             self._engine_ids.pop(request.key, None)
-        result = self._result(request, final)
+        result = read_result(request, final, self._media, self._dtype)
         if request.score_ids is not None and isinstance(result, EngineResult):
             result.score_logprobs = await asyncio.to_thread(self._score_ids_from_hidden, request, final)
         return result
 
     def _score_ids_from_hidden(self, request: EngineRequest, final: Any) -> torch.Tensor:
-        """score_ids from the AR stage's hidden states (its latent output, which every request
-        carries here) and the Thinker's lm_head rows, normalised by the actual token's log-prob:
-        the stage has no fixed-token scoring of its own (`score_ids.scores_from_hidden`)."""
-        out = stage_output(final)
-        actual, _, _ = extract_rows(out.prompt_logprobs, request.token_ids, request.first_row, request.topk)
-        states = hidden_rows(extract_hidden(out, request.num_tokens), request.num_tokens, request.first_row)
-        return scores_from_hidden(states, self.unembedding(), request.score_ids,
-                                  request.token_ids[request.first_row :], actual)
+        """score_ids (`outputs.score_ids_from_hidden`), run in a thread with the lm_head rows read
+        there too: the first call loads them from the checkpoint."""
+        return score_ids_from_hidden(request, final, self.unembedding())
 
     async def _until_stage_dies(self, consumer: asyncio.Future) -> Any:
         """The consumer's result, unless a stage process dies first (EngineError, consumer cancelled)."""
@@ -442,39 +281,8 @@ class VllmOmniEngine(VllmFamilyEngine):
 
     async def _final_output(self, request: EngineRequest, engine_id: str) -> Any:
         final = None
-        async for output in self._omni.generate(
-            build_prompt(request, self._media), engine_id, sampling_params_list=[self.sampling_params(request.topk)]
-        ):
+        prompt = prompts.build_prompt(request, self._media)
+        params = [self.sampling_params(request.topk)]
+        async for output in self._omni.generate(prompt, engine_id, sampling_params_list=params):
             final = output
         return final
-
-    def _result(self, request: EngineRequest, final: Any) -> EngineResult | RequestRejected:
-        if final is None:
-            raise EngineError("vLLM-Omni returned no output")
-        out = stage_output(final)
-        completions = list(getattr(out, "outputs", None) or [])
-        if completions and getattr(completions[0], "finish_reason", None) == "abort":
-            raise asyncio.CancelledError  # 0.30.0's terminal abort output: an aborted request
-        positions = getattr(out, "prompt_logprobs", None)
-        if request.media and self._media.kinds:  # the stage's expansion must be the ids sent
-            try:
-                self._media.check_expansion(request, getattr(out, "prompt_token_ids", None))
-            except RequestRejected as problem:
-                return problem
-        elif request.media and positions is not None and len(positions) != request.num_tokens:
-            return RequestRejected(
-                "token_ids",
-                f"the processor expanded the prompt to {len(positions)} tokens from {request.num_tokens}: "
-                "send the token ids with the media placeholders already expanded",
-                request_id=request.request_id,
-            )
-        result = EngineResult(first_row=request.first_row)
-        if request.logprobs or request.topk:
-            result.logprobs, result.topk_ids, result.topk_logprobs = extract_rows(
-                positions, request.token_ids, request.first_row, request.topk, logprobs=request.logprobs
-            )
-        if request.hidden_states:
-            states = extract_hidden(out, request.num_tokens)
-            rows = hidden_rows(states, request.num_tokens, request.first_row)
-            result.hidden_states = rows.to(device="cpu", dtype=self._dtype).contiguous()
-        return result
