@@ -11,10 +11,16 @@ import asyncio
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
-from proctor.server.settings import DEFAULTS
+from proctor.server.settings import DEFAULTS, ServerOptions
+
+if TYPE_CHECKING:  # the server's parts are imported by the commands that use them, not at start-up
+    from proctor.server.config.plan import ServingPlan
+    from proctor.server.engines.base import EngineSpec
+    from proctor.server.front.routing import Router
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Proctor: teacher scoring for on-policy distillation.")
 
@@ -91,39 +97,69 @@ def serve(
     # Before anything is built or imported for the engines: their components' releases.
     _refuse_unsupported_versions([engine] if plan is None else [t.spec.name for t in plan.teachers.values()])
 
-    from proctor.server.config import single_teacher_router
-    from proctor.server.engines.base import EngineError, EngineSpec
-    from proctor.server.front.auth import load_token
-    from proctor.server.front.service import Limits
-    from proctor.server.runtime import ProctorServer
-    from proctor.server.settings import ServerOptions
-    from proctor.server.tiny_model import ensure_default_model
-
     _logging(verbose)
     if plan is not None:
-        from proctor.server.config import build_router, server_options
-
-        router, options = build_router(plan), server_options(plan, host=host)
-        # Flags given on the command line win over the config file's server block.
-        if grpc_port is not None:
-            options.grpc_port = grpc_port
-        if http_port is not None:
-            options.http_port = http_port
+        router, options = _config_router(plan, host=host, grpc_port=grpc_port, http_port=http_port)
     else:
-        path = model or ensure_default_model()
-        settings = _parse_settings(inference)
-        if max_model_len:
-            settings["max_model_len"] = max_model_len
-        hidden_states = settings.pop("hidden_states", True) is not False
-        spec = EngineSpec(name=engine, model_path=str(path), device=device, dtype=dtype, max_topk=max_topk,
-                          inference=settings, hidden_states=hidden_states, startup_timeout_s=startup_timeout_s)
+        from proctor.server.config import single_teacher_router
+
+        spec = _flag_spec(model, engine=engine, device=device, dtype=dtype, max_topk=max_topk,
+                          max_model_len=max_model_len, inference=inference, startup_timeout_s=startup_timeout_s)
         router = single_teacher_router(spec, name=teacher_name, replicas=replicas,
                                        health_check_interval_s=health_check_interval_s)
-        options = ServerOptions(host=host or DEFAULTS.host,
-                                grpc_port=DEFAULTS.grpc_port if grpc_port is None else grpc_port,
-                                http_port=DEFAULTS.http_port if http_port is None else http_port,
-                                auth_token=load_token(token_file=str(auth_token_file) if auth_token_file else None),
-                                limits=Limits(max_queue_requests=max_queue_requests, max_queue_tokens=max_queue_tokens))
+        options = _flag_options(host=host, grpc_port=grpc_port, http_port=http_port, auth_token_file=auth_token_file,
+                                max_queue_requests=max_queue_requests, max_queue_tokens=max_queue_tokens)
+    sys.exit(_serve_until_stopped(router, options, switch_interval_ms=switch_interval_ms))
+
+
+def _config_router(plan: ServingPlan, *, host: str | None, grpc_port: int | None,
+                   http_port: int | None) -> tuple[Router, ServerOptions]:
+    """The router and server options a config file's plan describes; ports given on the
+    command line win over the config file's server block."""
+    from proctor.server.config import build_router, server_options
+
+    router, options = build_router(plan), server_options(plan, host=host)
+    if grpc_port is not None:
+        options.grpc_port = grpc_port
+    if http_port is not None:
+        options.http_port = http_port
+    return router, options
+
+
+def _flag_spec(model: Path | None, *, engine: str, device: str, dtype: str, max_topk: int,
+               max_model_len: int | None, inference: list[str], startup_timeout_s: float) -> EngineSpec:
+    """The one teacher's EngineSpec from the flags (without a config file): the built-in tiny
+    teacher unless --model names one, hidden states served unless --inference turns them off."""
+    from proctor.server.engines.base import EngineSpec
+    from proctor.server.tiny_model import ensure_default_model
+
+    path = model or ensure_default_model()
+    settings = _parse_settings(inference)
+    if max_model_len:
+        settings["max_model_len"] = max_model_len
+    hidden_states = settings.pop("hidden_states", True) is not False
+    return EngineSpec(name=engine, model_path=str(path), device=device, dtype=dtype, max_topk=max_topk,
+                      inference=settings, hidden_states=hidden_states, startup_timeout_s=startup_timeout_s)
+
+
+def _flag_options(*, host: str | None, grpc_port: int | None, http_port: int | None, auth_token_file: Path | None,
+                  max_queue_requests: int, max_queue_tokens: int) -> ServerOptions:
+    """The server options from the flags (without a config file): defaults for what is unset."""
+    from proctor.server.front.auth import load_token
+    from proctor.server.front.service import Limits
+
+    return ServerOptions(host=host or DEFAULTS.host,
+                         grpc_port=DEFAULTS.grpc_port if grpc_port is None else grpc_port,
+                         http_port=DEFAULTS.http_port if http_port is None else http_port,
+                         auth_token=load_token(token_file=str(auth_token_file) if auth_token_file else None),
+                         limits=Limits(max_queue_requests=max_queue_requests, max_queue_tokens=max_queue_tokens))
+
+
+def _serve_until_stopped(router: Router, options: ServerOptions, *, switch_interval_ms: float) -> int:
+    """Run the server on a new event loop until it stops; 1 when a replica could not start (its
+    reason on stderr, the other replicas released), else the server's own exit code."""
+    from proctor.server.engines.base import EngineError
+    from proctor.server.runtime import ProctorServer
 
     async def main() -> int:
         sys.setswitchinterval(switch_interval_ms / 1000)
@@ -136,7 +172,7 @@ def serve(
             await server.stop()
             return 1
 
-    sys.exit(asyncio.run(main()))
+    return asyncio.run(main())
 
 
 @app.command()

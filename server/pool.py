@@ -186,17 +186,27 @@ def _size_teachers(demands: Sequence[TeacherDemand], pool: int) -> list[_GroupDe
             ]
         )
     if len(auto) == 1:
-        (d,) = auto
-        if left % d.per_replica:
-            raise PlacementError(
-                [
-                    f"teacher {d.name!r} fills the {left} remaining device(s) automatically, but its replicas need "
-                    f"{d.per_replica} device(s) each (TP × DP × PP) and {d.per_replica} does not divide {left}: "
-                    f"change its tensor/data/pipeline parallel sizes or set num_replicas on the teachers"
-                ]
-            )
-        return [*groups, _GroupDemand((d.name,), d.per_replica, left // d.per_replica)]
+        return [*groups, _fill_with_one(auto[0], left)]
+    return groups + _split_among(auto, left)
 
+
+def _fill_with_one(d: TeacherDemand, left: int) -> _GroupDemand:
+    """The one teacher without num_replicas takes every device left, in whole replicas."""
+    if left % d.per_replica:
+        raise PlacementError(
+            [
+                f"teacher {d.name!r} fills the {left} remaining device(s) automatically, but its replicas need "
+                f"{d.per_replica} device(s) each (TP × DP × PP) and {d.per_replica} does not divide {left}: "
+                f"change its tensor/data/pipeline parallel sizes or set num_replicas on the teachers"
+            ]
+        )
+    return _GroupDemand((d.name,), d.per_replica, left // d.per_replica)
+
+
+def _split_among(auto: Sequence[TeacherDemand], left: int) -> list[_GroupDemand]:
+    """Several teachers without num_replicas share the devices left: as many replica slots as
+    fit, split as evenly as possible, or shared by weight swapping when there are fewer slots
+    than teachers. Their replicas must be of one size: with several, no split is the obvious one."""
     per_replica = {d.per_replica for d in auto}
     if len(per_replica) > 1:
         raise PlacementError(
@@ -219,10 +229,13 @@ def _size_teachers(demands: Sequence[TeacherDemand], pool: int) -> list[_GroupDe
     if slots >= len(auto):
         # Enough slots: split them as evenly as possible, earlier teachers take the remainder.
         base, extra = divmod(slots, len(auto))
-        return groups + [
-            _GroupDemand((d.name,), size, base + (1 if i < extra else 0)) for i, d in enumerate(auto)
-        ]
-    # Fewer slots than teachers: they share the slots and swap weights, if their weights fit one another.
+        return [_GroupDemand((d.name,), size, base + (1 if i < extra else 0)) for i, d in enumerate(auto)]
+    return [_shared_slots(auto, slots, size)]
+
+
+def _shared_slots(auto: Sequence[TeacherDemand], slots: int, size: int) -> _GroupDemand:
+    """Fewer slots than teachers: they share the slots and swap weights, if their weights fit
+    one another (one known architecture); otherwise say why they cannot."""
     architectures = {d.architecture for d in auto}
     if None in architectures or len(architectures) > 1:
         unknown = [d.name for d in auto if d.architecture is None]
@@ -240,8 +253,7 @@ def _size_teachers(demands: Sequence[TeacherDemand], pool: int) -> list[_GroupDe
                 "grow the pool or give each teacher its own devices"
             ]
         )
-    names = tuple(d.name for d in auto)
-    return [*groups, _GroupDemand(names, size, slots)]
+    return _GroupDemand(tuple(d.name for d in auto), size, slots)
 
 
 def _mismatch(demands: Sequence[TeacherDemand], used: int, pool: int, sizing: str) -> str:
