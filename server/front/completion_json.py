@@ -10,15 +10,24 @@ four pieces in an object array: the id's key (`"<id>":{"logprob":`) and its tail
 (what `json.dumps` writes), and the rank's piece; the pieces of every kept entry are joined
 once. No Python bytecode runs per entry. The text equals `json.dumps` of vLLM's dict form (the
 actual token first; a top-K entry equal to it is left out, as a dict keeps the first key).
+
+`completion_answer` is the whole `/v1/completions` answer around those lists; `Responses`
+builds it (and counts its bytes) like every other answer.
 """
 
 from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from proctor.server.front.service import ScoredRequest
 
 # Rows formatted per join: one join of ~5 pieces an entry holds the GIL for a few ms at most,
 # so an answer built on a worker thread leaves the event loop its turns.
@@ -111,3 +120,30 @@ def prompt_logprobs_json(ids: np.ndarray, logprobs: np.ndarray, ranks: np.ndarra
         entry[:, :, 4] = tails
         out.append("".join(entry[keep[start:stop]].ravel().tolist()))
     return "[null," + "".join(out)[2:] + "}]"
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"))
+
+
+def completion_answer(prompts: Sequence[list[int]], scored: Sequence[ScoredRequest], *, model: str,
+                      echo: Callable[[list[int]], str] | None, text: TokenText) -> bytes:
+    """The whole `/v1/completions` answer, serialised, as vLLM shapes it; the prompt log-probs are
+    written column-wise (`prompt_logprobs_json`), the rest by `json.dumps`. With `echo` each
+    choice's `text` is its prompt decoded (here too, so that a large answer's decoding is off
+    the loop with the rest)."""
+    choices = []
+    for index, (ids, score) in enumerate(zip(prompts, scored, strict=True)):
+        head = {"index": index, "text": echo(ids) if echo is not None else "", "logprobs": None,
+                "finish_reason": "length", "stop_reason": None}
+        result = score.result
+        rows = prompt_logprobs_json(
+            np.asarray(ids, dtype=np.int64), result.logprobs.numpy(),
+            None if result.ranks is None else result.ranks.numpy(),
+            None if result.topk_ids is None else result.topk_ids.numpy(),
+            None if result.topk_logprobs is None else result.topk_logprobs.numpy(), text)
+        choices.append(f'{_dumps(head)[:-1]},"prompt_logprobs":{rows},"prompt_token_ids":{_dumps(ids)}}}')
+    tokens = sum(len(ids) for ids in prompts)
+    top = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": model}
+    usage = {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}
+    return f'{_dumps(top)[:-1]},"choices":[{",".join(choices)}],"usage":{_dumps(usage)}}}'.encode()

@@ -1,8 +1,9 @@
 """Every answer to a scored request is built here, and its bytes counted here.
 
-Both transports (and the protobuf and JSON flavours of HTTP) ask `Responses` for a unary
-answer's bytes, stream chunks' bytes or a JSON body, so the row convention and dtypes are decided
-in one place, and `proctor:response_bytes` counts exactly what is sent.
+Both transports (and the protobuf and JSON flavours of HTTP, and vLLM's `/v1/completions`) ask
+`Responses` for a unary answer's bytes, stream chunks' bytes or a JSON body, so the row
+convention and dtypes are decided in one place, and `proctor:response_bytes` counts exactly what
+is sent. A completions answer's JSON is written by `completion_json`, which only this class calls.
 
 The protobuf answers are spliced, not built: a result arrives from its replica worker already
 in wire form (`EncodedResult`: the serialised fields of the small outputs, the raw rows of the
@@ -16,11 +17,12 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
 from proctor.proto import dtype_name, iter_row_chunks, rows_per_chunk, scoring_pb2
+from proctor.server.front.completion_json import TokenText, completion_answer
 from proctor.server.front.service import ScoredRequest
 from proctor.server.metrics import MetricsSink
 from proctor.server.worker.wire import EncodedResult, RawRows, encode_result
@@ -102,6 +104,9 @@ def _chunks(scored: ScoredRequest, *, chunk_bytes: int) -> Iterator[bytes]:
 JSON_INLINE_VALUES = 1 << 16
 # Rows encoded per piece: each piece's json.dumps holds the GIL briefly, then the loop runs.
 JSON_PIECE_ROWS = 1024
+# A completions answer with more (position, candidate) cells than this is built in a worker
+# thread, as large bodies are decoded there: the event loop (gRPC too) keeps serving.
+COMPLETION_INLINE_CELLS = 20_000
 
 
 def _nulls(count: int) -> str:
@@ -200,6 +205,19 @@ class Responses:
         for piece in _json_pieces(scored, rows_per_piece):
             self.metrics.response_sent(scored.teacher, scored.mode, len(piece))
             yield piece
+
+    def completion_is_large(self, prompts: Sequence[list[int]], topk: int) -> bool:
+        """Whether a completions answer is too large to build on the event loop."""
+        return sum(len(ids) * (topk + 1) for ids in prompts) > COMPLETION_INLINE_CELLS
+
+    def completion(self, prompts: Sequence[list[int]], scored: Sequence[ScoredRequest], *, model: str,
+                   echo: Callable[[list[int]], str] | None, text: TokenText) -> bytes:
+        """vLLM's `/v1/completions` answer for prompts scored together (`completion_answer`);
+        `echo` decodes a prompt into its choice's `text`, `text` is the teacher's `decoded_token`
+        table."""
+        payload = completion_answer(prompts, scored, model=model, echo=echo, text=text)
+        self.metrics.response_sent(scored[0].teacher, scored[0].mode, len(payload))
+        return payload
 
     def chunks(self, scored: ScoredRequest) -> Iterator[bytes]:
         """The streamed answer, serialised ScoreChunks: header and small outputs, then hidden

@@ -1,0 +1,147 @@
+"""vLLM's scoring surface served over the ScoringService: `/v1/models` and `/v1/completions`.
+
+A completions call is read (the HTTP shell's body rules), checked (`CompletionBody`), routed by
+the service (`ScoringService.route`: the service's routing rule and its count of an unknown
+teacher), its text prompts tokenized with the teacher's tokenizer, and each prompt scored by
+`ScoringService.score` like any `/v1/score` call; the answer is `Responses.completion`. Work that
+grows with the call runs in a worker thread once it is large: the body's parse, the tokenizing
+and the ScoreRequests, the answer's JSON, so /health/live and every other call keep being
+answered while a 20 MB body or a 100 MB answer is worked on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from proctor.proto import scoring_pb2
+from proctor.server.errors import ScoringError, invalid
+from proctor.server.front.bounded_json import loads_bounded
+from proctor.server.front.cancellation import ClientGone, cancel_on_disconnect, client_gone
+from proctor.server.front.http_errors import openai_error
+from proctor.server.front.http_models import extend_ids
+from proctor.server.front.http_request import INLINE_BODY_BYTES, off_loop_if, read_body, request_timeout
+from proctor.server.front.openai_compat import CompletionBody
+from proctor.server.front.responses import Responses
+from proctor.server.front.routing import ReplicaSet
+from proctor.server.front.service import ScoredRequest, ScoringService
+from proctor.server.front.teacher_tokenizers import Tokenizers
+
+
+@dataclass(frozen=True)
+class Built:
+    """A completions call made ready for the service: its prompts as token ids and one
+    `ScoreRequest` per prompt."""
+
+    prompts: list[list[int]]
+    messages: list[scoring_pb2.ScoreRequest]
+
+
+def _template(ask: CompletionBody) -> scoring_pb2.ScoreRequest:
+    """What every prompt of the call asks for, without its ids."""
+    message = scoring_pb2.ScoreRequest(teacher_key=ask.model, logprobs=True, topk=ask.topk)
+    if ask.temperature is not None:
+        message.temperature = ask.temperature
+    return message
+
+
+def build_requests(ask: CompletionBody, teacher_name: str, tokenizer: Any) -> Built:
+    """Text prompts tokenized, and one ScoreRequest per prompt: the work that grows with the
+    body, done off the loop for a large body."""
+    prompts: list[list[int]] = []
+    messages = []
+    template = _template(ask)
+    for index, prompt in enumerate(ask.prompts):
+        if isinstance(prompt, str):
+            if tokenizer is None:
+                raise invalid("prompt", f"teacher {teacher_name!r} has no tokenizer here: send token ids, "
+                              f"not text (prompt {index})")
+            prompt = list(tokenizer.encode(prompt))
+        message = scoring_pb2.ScoreRequest()
+        message.CopyFrom(template)
+        extend_ids(message, prompt)
+        prompts.append(prompt)
+        messages.append(message)
+    return Built(prompts, messages)
+
+
+async def score_all(service: ScoringService, messages: list[scoring_pb2.ScoreRequest],
+                    timeout: float | None) -> list[ScoredRequest]:
+    """Score a call's prompts at once, answers in order. The first error fails the call and
+    withdraws the rest; a cancelled call (its client gone) withdraws them all."""
+    jobs = [asyncio.ensure_future(service.score(message, timeout=timeout, unary=True)) for message in messages]
+    try:
+        return await asyncio.gather(*jobs)
+    finally:
+        if not all(job.done() for job in jobs):
+            for job in jobs:
+                job.cancel()
+            await asyncio.gather(*jobs, return_exceptions=True)
+
+
+@dataclass(frozen=True)
+class _Scored:
+    """A completions call scored: what its answer is made of."""
+
+    ask: CompletionBody
+    teacher: ReplicaSet
+    tokenizer: Any
+    prompts: list[list[int]]
+    scored: list[ScoredRequest]
+
+
+def _parse(raw: bytes) -> CompletionBody:
+    return CompletionBody.check(loads_bounded(raw, field="body"))
+
+
+class CompletionsServing:
+    """`/v1/models` and `/v1/completions` over one ScoringService."""
+
+    def __init__(self, service: ScoringService, responses: Responses, *, max_body_bytes: int) -> None:
+        self.service = service
+        self.responses = responses
+        self.max_body_bytes = max_body_bytes
+        self.tokenizers = Tokenizers()
+
+    def models(self) -> dict[str, Any]:
+        """One entry per teacher, as vLLM lists its model (id: the teacher's key)."""
+        data = [{"id": info.keys[0], "object": "model", "created": int(time.time()), "owned_by": "proctor",
+                 "root": info.model or info.name, "parent": None, "max_model_len": info.max_model_len or None,
+                 "permission": []} for info in self.service.teacher_infos()]
+        return {"object": "list", "data": data}
+
+    async def complete(self, request: Request) -> Response:
+        """Read, check, score and answer one completions call; a client that leaves before its
+        answer withdraws every prompt of it (499)."""
+        try:
+            raw = await read_body(request, self.max_body_bytes)
+            call = await cancel_on_disconnect(request, self._score(request, raw))
+        except ScoringError as error:
+            return openai_error(error)
+        except ClientGone:
+            return client_gone()
+        echo: Callable[[list[int]], str] | None = None
+        if call.ask.echo and call.tokenizer is not None:
+            echo = call.tokenizer.decode
+        large = self.responses.completion_is_large(call.prompts, call.ask.topk) or echo is not None
+        text = self.tokenizers.token_text(call.teacher, call.tokenizer)
+        payload = await off_loop_if(large, partial(self.responses.completion, model=call.ask.model or call.teacher.keys[0],
+                                                   echo=echo, text=text), call.prompts, call.scored)
+        return Response(payload, media_type="application/json")
+
+    async def _score(self, request: Request, raw: bytes) -> _Scored:
+        large = len(raw) > INLINE_BODY_BYTES
+        ask = await off_loop_if(large, _parse, raw)
+        teacher = self.service.route(_template(ask))
+        tokenizer = await self.tokenizers.tokenizer(teacher)
+        texts = any(isinstance(prompt, str) for prompt in ask.prompts)
+        built = await off_loop_if(large or texts, build_requests, ask, teacher.name, tokenizer)
+        scored = await score_all(self.service, built.messages, request_timeout(request))
+        return _Scored(ask, teacher, tokenizer, built.prompts, scored)

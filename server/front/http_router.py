@@ -1,0 +1,98 @@
+"""The HTTP routes: paths, methods and their OpenAPI text, each handing its call to the serving
+code that owns it (as vLLM's `api_router` does), and nothing else.
+
+The handlers are module-level, so one router serves every app built in a process; each call
+finds its app's serving objects in `app.state.serving` (`create_app` puts them there).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from google.protobuf.json_format import MessageToDict
+
+from proctor.server.front.completions_serving import CompletionsServing
+from proctor.server.front.openai_compat import CompletionBody
+from proctor.server.front.score_serving import SCORE_OPENAPI, ScoreServing
+from proctor.server.front.service import ScoringService
+
+
+@dataclass(frozen=True)
+class Serving:
+    """What an app's routes call: the service, proctor's scoring endpoints, vLLM's surface."""
+
+    service: ScoringService
+    score: ScoreServing
+    completions: CompletionsServing
+
+
+def _serving(request: Request) -> Serving:
+    return request.app.state.serving
+
+
+router = APIRouter()
+
+
+@router.post("/v1/score", summary="Score one sequence with a teacher", openapi_extra=SCORE_OPENAPI)
+async def score(request: Request) -> Response:
+    return await _serving(request).score.score(request)
+
+
+@router.post(
+    "/v1/score/stream",
+    summary="Score one sequence; the answer is length-delimited ScoreChunk messages (hidden states in whole rows)",
+    openapi_extra=SCORE_OPENAPI,
+)
+async def score_stream(request: Request) -> Response:
+    return await _serving(request).score.score_stream(request)
+
+
+@router.get("/v1/unembedding", summary="The teacher's lm_head [V, H] as length-delimited TensorChunk messages of whole rows")
+async def unembedding(request: Request, teacher_key: str = "") -> Response:
+    return await _serving(request).score.unembedding(teacher_key)
+
+
+@router.get("/v1/teachers", summary="The teachers this server scores with")
+async def teachers(request: Request) -> dict:
+    infos = _serving(request).service.teacher_infos()
+    return {"teachers": [MessageToDict(info, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+                         for info in infos]}
+
+
+@router.get("/health/live", summary="The process is up")
+async def live(request: Request) -> dict:
+    return {"status": "live", "state": _serving(request).service.state.value}
+
+
+@router.get("/health/ready", summary="Every teacher has a healthy replica and the server admits work")
+async def ready(request: Request) -> Response:
+    service = _serving(request).service
+    if service.ready():
+        return JSONResponse({"status": "ready"})
+    return JSONResponse({"status": "not ready", "state": service.state.value}, status_code=503)
+
+
+@router.get("/metrics", summary="Prometheus metrics")
+async def metrics(request: Request) -> Response:
+    from prometheus_client import CONTENT_TYPE_LATEST
+
+    return Response(_serving(request).service.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+# vLLM's scoring surface over the same service.
+@router.get("/health", summary="vLLM's readiness probe: 200 when every teacher can score")
+async def health(request: Request) -> Response:
+    return Response(status_code=200 if _serving(request).service.ready() else 503)
+
+
+@router.get("/v1/models", summary="One entry per teacher, as vLLM lists its model (id: the teacher key)")
+async def models(request: Request) -> dict:
+    return _serving(request).completions.models()
+
+
+@router.post("/v1/completions", summary="vLLM-compatible scoring: token-id prompts, max_tokens 1, prompt_logprobs",
+             openapi_extra=CompletionBody.openapi_body())
+async def completions(request: Request) -> Response:
+    return await _serving(request).completions.complete(request)

@@ -1,0 +1,76 @@
+"""Each teacher's tokenizer in the front process, for vLLM's surface: text prompts become token
+ids with it, and every answered id's `decoded_token` is its text.
+
+Loaded once per teacher from its model directory (a thread does the first load: reading a
+tokenizer holds the loop for a while), and kept with that teacher's `decoded_token` table, which
+grows with the ids answered (at most the vocabulary). A teacher without a readable tokenizer
+decodes to "" and refuses text prompts.
+
+The model directory is read from a replica's engine spec: the serving plan does not yet hand a
+teacher its tokenizer (`ReplicaSet` has no such field), so `model_dir` is the one place that
+looks inside replicas for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from pathlib import Path
+from typing import Any
+
+from proctor.server.front.completion_json import TokenText
+from proctor.server.front.routing import ReplicaSet
+
+log = logging.getLogger(__name__)
+
+
+def model_dir(teacher: ReplicaSet) -> Path | None:
+    """The teacher's model directory, from the first replica whose engine has a spec."""
+    for replica in teacher.replicas:
+        spec = getattr(replica.engine, "spec", None)
+        if spec is not None and getattr(spec, "model_path", None):
+            return Path(spec.model_path)
+    return None
+
+
+def _load(path: Path | None) -> Any:
+    if path is None or not path.is_dir():
+        return None
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as exc:  # no tokenizer files, or one transformers cannot read
+        log.info("no tokenizer for %s (%s): decoded_token will be empty, text prompts refused", path, exc)
+        return None
+
+
+class Tokenizers:
+    """Every teacher's tokenizer and `decoded_token` table, each made on first use."""
+
+    def __init__(self) -> None:
+        self._loaded: dict[str, Any] = {}
+        self._texts: dict[str, TokenText] = {}
+        self._lock = threading.Lock()
+
+    def _get(self, teacher: ReplicaSet) -> Any:
+        with self._lock:
+            if teacher.name not in self._loaded:
+                self._loaded[teacher.name] = _load(model_dir(teacher))
+            return self._loaded[teacher.name]
+
+    async def tokenizer(self, teacher: ReplicaSet) -> Any:
+        """The teacher's tokenizer or None; its first load runs in a worker thread."""
+        if teacher.name in self._loaded:
+            return self._loaded[teacher.name]
+        return await asyncio.to_thread(self._get, teacher)
+
+    def token_text(self, teacher: ReplicaSet, tokenizer: Any) -> TokenText:
+        """The teacher's `decoded_token` table: each id decoded alone, as vLLM reports it ("" without
+        a tokenizer)."""
+        text = self._texts.get(teacher.name)
+        if text is None:
+            text = self._texts[teacher.name] = TokenText(
+                lambda token: tokenizer.decode([token]) if tokenizer is not None else "")
+        return text
