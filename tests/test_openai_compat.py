@@ -5,13 +5,17 @@ transformers forward (tests/support/reference.py)."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import httpx
 import pytest
 import torch
 
 from support.configs import cpu_config, torch_teacher, write_config
 from support.reference import reference_rows
-from support.servers import SubprocessServer
+from support.routers import slow_router
+from support.servers import SubprocessServer, engine_of, request_count, start_server
 
 MATH, GEO = "openai/gsm8k", "hiyouga/geometry3k"
 SEQUENCES = [[5, 6, 7, 8, 9, 10, 11], [40, 41, 42, 43], [1, 300, 2, 301, 3, 302, 4, 303]]
@@ -139,6 +143,35 @@ def test_one_teacher_needs_no_model_and_text_prompts_use_its_tokenizer(torch_ser
     got = [position[str(t)]["logprob"] for position, t in zip(choice["prompt_logprobs"][1:],
                                                               choice["prompt_token_ids"][1:], strict=True)]
     torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), ref.logprobs, rtol=0, atol=1e-5)
+
+
+async def test_a_client_that_leaves_mid_call_withdraws_every_prompt(tiny_model_dir):
+    """The server hears the disconnect (no polling) and cancels the call: its prompts leave the
+    queue, counted as cancelled, none is scored, and the server keeps answering."""
+    server = start_server(slow_router(tiny_model_dir, 1.0, name="slow")[0])
+    try:
+        engine = engine_of(server, "slow")
+        body = {"max_tokens": 1, "prompt_logprobs": 1}
+        passes_before = engine.forward_passes
+        async with httpx.AsyncClient(base_url=server.http_url, timeout=30) as http:
+            busy = asyncio.ensure_future(http.post("/v1/completions", json={"prompt": [1, 2, 3], **body}))
+            await asyncio.sleep(0.2)  # the engine is busy with it for 1 s
+            queued = asyncio.ensure_future(http.post("/v1/completions", json={"prompt": [[5, 6], [7, 8, 9]], **body}))
+            await asyncio.sleep(0.2)
+            queued.cancel()  # the client closes its connection
+            with pytest.raises(asyncio.CancelledError):
+                await queued
+            assert (await busy).status_code == 200
+            deadline = time.monotonic() + 5
+            while request_count(server, "cancelled") < 2 and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(1.3)  # long enough for another batch, had the prompts stayed queued
+            assert request_count(server, "cancelled") == 2
+            assert engine.forward_passes == passes_before + 1  # the busy call's batch alone
+            again = await http.post("/v1/completions", json={"prompt": [5, 6], **body})
+            assert again.status_code == 200 and again.json()["choices"][0]["prompt_token_ids"] == [5, 6]
+    finally:
+        server.stop()
 
 
 @pytest.mark.vllm
