@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from proctor.server.engines.torch.loading import build
+
 DEFAULT_MODEL_DIR = Path.home() / ".cache" / "proctor" / "tiny-teacher"
 
 _CORPUS = """
@@ -102,7 +104,7 @@ def make_tiny_model(
     generator_state = torch.random.get_rng_state()
     try:
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = build(AutoModelForCausalLM.from_config, config, dtype=torch.float32)
         # The default init is near-uniform; widen it so the teacher has a peaked distribution.
         with torch.no_grad():
             for name, param in model.named_parameters():

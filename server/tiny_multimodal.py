@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from proctor.server.engines.torch.loading import build
 from proctor.server.tiny_model import build_tokenizer
 
 KINDS = ("vl", "omni-thinker")
@@ -71,7 +72,7 @@ def _vision_processors() -> dict:
 
 def _random_model(model_class, config, seed: int) -> torch.nn.Module:
     config.dtype = torch.float32
-    model = model_class(config).to(torch.float32)
+    model = build(model_class, config).to(torch.float32)
     _seeded_weights(model, seed)
     return model
 

@@ -21,6 +21,7 @@ from proctor.server.engines.base import (
     EngineError,
 )
 from proctor.server.engines.checks import check_model_path
+from proctor.server.engines.torch.loading import build
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ def own_output_embedding_names(model_path: str) -> tuple[str, ...]:
 
         config = AutoConfig.from_pretrained(model_path, local_files_only=True)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+            model = build(AutoModelForCausalLM.from_config, config)
         head = model.get_output_embeddings()
     except Exception as exc:  # an architecture transformers cannot build here
         log.info("%s: no output embedding from transformers (%s); trying the usual names", model_path, exc)

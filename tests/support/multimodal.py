@@ -22,6 +22,7 @@ import torch
 
 from proctor.client import Media
 from proctor.client.media_files import png_media, wav_media
+from proctor.server.engines.torch.loading import build
 
 
 @dataclass
@@ -123,9 +124,9 @@ def _model_and_processor(model_dir: str):
     config = AutoConfig.from_pretrained(model_dir)
     architecture = config.architectures[0]
     if "Omni" in architecture:
-        model = getattr(transformers, architecture).from_pretrained(model_dir, dtype=torch.float32).thinker
+        model = build(getattr(transformers, architecture).from_pretrained, model_dir, dtype=torch.float32).thinker
     else:
-        model = transformers.AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+        model = build(transformers.AutoModelForImageTextToText.from_pretrained, model_dir, dtype=torch.float32)
     return model.eval(), AutoProcessor.from_pretrained(model_dir)
 
 

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from proctor.server.engines.torch.loading import build
+
 
 def reference_model(model_dir: Path | str, dtype: torch.dtype = torch.float32):
     """The teacher at `model_dir`, loaded once per directory and dtype (suites score many sequences)."""
@@ -28,7 +30,7 @@ def reference_model(model_dir: Path | str, dtype: torch.dtype = torch.float32):
 def _load(model_dir: str, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=dtype).eval()
+    return build(AutoModelForCausalLM.from_pretrained, model_dir, local_files_only=True, dtype=dtype).eval()
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from proctor.server.engines.base import (
 from proctor.server.engines.logit_transforms import LogitTransforms, logit_transforms
 from proctor.server.engines.multimodal import check_counts
 from proctor.server.engines.row_scores import score_rows
+from proctor.server.engines.torch.loading import build
 from proctor.server.engines.torch.media import PreparedMedia, TorchMedia, is_multimodal, load_multimodal_model
 from proctor.server.engines.torch.prefix import TorchPrefix, batch_cache, reuse_works, supports_prompt_cache
 from proctor.server.fingerprint import model_fingerprint
@@ -99,7 +100,7 @@ class TorchEngine(TeacherEngine):
             self._media = TorchMedia(path)
             model = load_multimodal_model(path, config, dtype)
         else:
-            model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+            model = build(AutoModelForCausalLM.from_pretrained, path, local_files_only=True, dtype=dtype)
         model.to(device).eval()
         self._transforms = logit_transforms(config)
         if self._media is None:

@@ -32,6 +32,7 @@ from proctor.server.engines.multimodal import (
     decoded_media,
     run_lengths,
 )
+from proctor.server.engines.torch.loading import build
 from proctor.server.media import MM_KEYS
 
 # Architectures whose checkpoint wraps the scoring model: the Omni models' Thinker.
@@ -50,9 +51,9 @@ def load_multimodal_model(path: Path, config: Any, dtype: torch.dtype) -> torch.
 
     architecture = (getattr(config, "architectures", None) or [""])[0]
     if architecture in _WRAPPED:
-        wrapper = getattr(transformers, architecture).from_pretrained(path, local_files_only=True, dtype=dtype)
+        wrapper = build(getattr(transformers, architecture).from_pretrained, path, local_files_only=True, dtype=dtype)
         return getattr(wrapper, _WRAPPED[architecture])
-    return transformers.AutoModelForImageTextToText.from_pretrained(path, local_files_only=True, dtype=dtype)
+    return build(transformers.AutoModelForImageTextToText.from_pretrained, path, local_files_only=True, dtype=dtype)
 
 
 @dataclass
