@@ -1,3 +1,4 @@
 """The vLLM-Omni engine: the AR (thinker) stage of an omni teacher scored through vLLM-Omni's
-AsyncOmni (`engine`), its stage settings (`config`), stage error shapes (`stages`) and the
-generation API's prompt log-probs read into rows (`prompt_logprobs`)."""
+AsyncOmni (`engine`), started under its deadline from a stage config of proctor's (`startup`,
+`config`); what a request sends (`prompts`), how a finished output is read into rows
+(`outputs`, `prompt_logprobs`) and the stage error shapes it knows (`stages`)."""

@@ -1,7 +1,7 @@
 """vLLM-Omni's configuration for a teacher: the pipeline adapters proctor knows, the Thinker
 stage's engine args, and the stage/deploy config file in the schema of the installed version
 (0.30.0 reads a deploy config naming a thinker-only pipeline, 0.18.0 a `stage_args` file).
-See `vllm_omni_engine` for what each setting does and which upstream code it mirrors.
+See `engine` (and `startup`) for what each setting does and which upstream code it mirrors.
 """
 
 from __future__ import annotations

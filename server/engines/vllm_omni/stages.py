@@ -1,6 +1,6 @@
 """vLLM-Omni's stage processes as proctor watches them: the rule that sorts a stage's errors
 into request errors and replica errors, the stage processes' liveness, and the log tail a
-failed start is reported with. See `vllm_omni_engine` for the upstream behaviour mirrored.
+failed start is reported with. See `engine` for the upstream behaviour mirrored.
 """
 
 from __future__ import annotations
