@@ -1,0 +1,155 @@
+"""The package's shape, read from its source (an AST pass, nothing imported).
+
+- No import cycle among proctor's modules, counting imports inside functions too: a lazy
+  import may keep a heavy optional library (vLLM) off the import path, never hide a cycle.
+  Imports under `if TYPE_CHECKING:` are annotations only and are left out.
+- No module in `server/` over 350 lines and no function anywhere over 60 (the generated gRPC
+  stubs aside): a module with one job fits in one reading.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = {"proto": "proctor.proto", "server": "proctor.server", "client": "proctor.client",
+            "trainer_adapter": "proctor.trainer_adapter"}
+MAX_SERVER_MODULE_LINES = 350
+MAX_FUNCTION_LINES = 60
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for folder, package in PACKAGES.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            parts = list(path.relative_to(ROOT / folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join([package, *parts])] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _generated(path: Path) -> bool:
+    return path.name.endswith(("_pb2.py", "_pb2_grpc.py"))
+
+
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    inside = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            inside.update(id(child) for child in ast.walk(node))
+    return inside
+
+
+def _absolute(module: str, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    base = module.split(".")
+    if MODULES[module].name != "__init__.py":
+        base = base[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _owner(name: str) -> str | None:
+    """The proctor module an imported name lives in (a module, or the module holding it)."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the proctor modules it imports (module level and inside functions)."""
+    graph: dict[str, set[str]] = {}
+    for module, path in MODULES.items():
+        tree = ast.parse(path.read_text())
+        skip = _type_checking_nodes(tree)
+        targets = set()
+        for node in ast.walk(tree):
+            if id(node) in skip:
+                continue
+            if isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                source = _absolute(module, node)
+                targets.update(f"{source}.{alias.name}" if f"{source}.{alias.name}" in MODULES else source
+                               for alias in node.names)
+        graph[module] = {owner for name in targets if (owner := _owner(name)) and owner != module}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, edges = work[-1]
+            step = next(edges, None)
+            if step is not None:
+                if step not in index:
+                    index[step] = low[step] = len(index)
+                    stack.append(step)
+                    on_stack.add(step)
+                    work.append((step, iter(sorted(graph.get(step, ())))))
+                elif step in on_stack:
+                    low[node] = min(low[node], index[step])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycle_even_through_lazy_imports():
+    graph = import_graph()
+    assert sum(len(edges) for edges in graph.values()) > 100  # the pass reads real imports
+    assert cycles(graph) == []
+
+
+def test_no_server_module_over_350_lines():
+    long = {module: lines for module, path in MODULES.items()
+            if module.startswith("proctor.server") and not _generated(path)
+            and (lines := len(path.read_text().splitlines())) > MAX_SERVER_MODULE_LINES}
+    assert long == {}
+
+
+def test_no_function_over_60_lines():
+    long = {}
+    for module, path in MODULES.items():
+        if _generated(path):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long[f"{module}.{node.name}"] = lines
+    assert long == {}
