@@ -84,6 +84,7 @@ def build_router(plan: ServingPlan) -> Router:
                     health_check_interval_s=server.health_check_interval_s,
                     swap_groups=tuple({id(g): g for g in swap_groups.values() if name in g.specs}.values()),
                     prompt_reuse=ReuseSettings.from_inference(resolved.spec.inference),
+                    tokenizer_path=resolved.spec.model_path,
                 )
             )
     except BaseException:  # nothing will own the pool's placement groups: release them now
@@ -138,4 +139,5 @@ def single_teacher_router(
     ids = [f"{name}-{i}" for i in range(replicas)]
     replica_set = [engine_replica(i, partial(create_replica_engine, spec, name=i)) for i in ids]
     reuse = ReuseSettings.from_inference(spec.inference)
-    return Router([ReplicaSet(name, replica_set, health_check_interval_s=health_check_interval_s, prompt_reuse=reuse)])
+    return Router([ReplicaSet(name, replica_set, health_check_interval_s=health_check_interval_s, prompt_reuse=reuse,
+                              tokenizer_path=spec.model_path)])

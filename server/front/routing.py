@@ -79,12 +79,16 @@ class ReplicaSet:
         health_check_interval_s: float | None = 5.0,
         swap_groups: tuple[Any, ...] = (),
         prompt_reuse: ReuseSettings | None = None,
+        tokenizer_path: str | None = None,
     ) -> None:
         if not replicas:
             raise ValueError(f"teacher {name!r} has no replicas")
         if policy not in POLICIES:
             raise ValueError(f"teacher {name!r}: policy {policy!r} is not one of {', '.join(POLICIES)}")
         self.name = name
+        # Where the teacher's tokenizer is read from (its model directory, from the serving plan):
+        # the front tokenizes text prompts and decodes tokens for vLLM's surface with it.
+        self.tokenizer_path = tokenizer_path
         self.replicas = replicas
         self.keys = keys or (name,)
         self.supervisor = Supervisor(name, replicas, restart or RestartPolicy())

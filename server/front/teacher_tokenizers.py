@@ -6,9 +6,8 @@ tokenizer holds the loop for a while), and kept with that teacher's `decoded_tok
 grows with the ids answered (at most the vocabulary). A teacher without a readable tokenizer
 decodes to "" and refuses text prompts.
 
-The model directory is read from a replica's engine spec: the serving plan does not yet hand a
-teacher its tokenizer (`ReplicaSet` has no such field), so `model_dir` is the one place that
-looks inside replicas for it.
+Where it is read from is the teacher's own `tokenizer_path`, set from the serving plan (the
+teacher's model directory), whatever its replicas run (a weight-swapped teacher included).
 """
 
 from __future__ import annotations
@@ -26,12 +25,8 @@ log = logging.getLogger(__name__)
 
 
 def model_dir(teacher: ReplicaSet) -> Path | None:
-    """The teacher's model directory, from the first replica whose engine has a spec."""
-    for replica in teacher.replicas:
-        spec = getattr(replica.engine, "spec", None)
-        if spec is not None and getattr(spec, "model_path", None):
-            return Path(spec.model_path)
-    return None
+    """Where the teacher's tokenizer lives (None: the plan gave it none)."""
+    return Path(teacher.tokenizer_path) if teacher.tokenizer_path else None
 
 
 def _load(path: Path | None) -> Any:

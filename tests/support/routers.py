@@ -30,7 +30,7 @@ def slow_router(
         engines.append(engine)
         return engine
 
-    teacher = ReplicaSet(name, [Replica(f"{name}-{i}", build) for i in range(replicas)])
+    teacher = ReplicaSet(name, [Replica(f"{name}-{i}", build) for i in range(replicas)], tokenizer_path=str(model_dir))
     return Router([teacher]), engines
 
 
@@ -43,7 +43,7 @@ def two_teacher_router(math_dir: Path, geo_dir: Path) -> Router:
         async def build() -> TeacherEngine:
             return create_engine(spec)
 
-        return ReplicaSet(name, [Replica(f"{name}-0", build)], keys=(key,))
+        return ReplicaSet(name, [Replica(f"{name}-0", build)], keys=(key,), tokenizer_path=str(path))
 
     return Router([teacher("math", math_dir, "openai/gsm8k"), teacher("geo", geo_dir, "hiyouga/geometry3k")])
 
