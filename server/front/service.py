@@ -118,17 +118,17 @@ class ScoringService:
             self.metrics.request_done("unknown", request_mode(request), exc.code.name.lower())
             raise
 
-    def _admit(self, teacher: ReplicaSet, tokens: int) -> _Admission:
-        admission = self._admitted[teacher.name]
+    def _admit(self, teacher_set: ReplicaSet, tokens: int) -> _Admission:
+        admission = self._admitted[teacher_set.name]
         if (
             admission.requests + 1 > self.limits.max_queue_requests
             or admission.tokens + tokens > self.limits.max_queue_tokens
         ):
             raise ScoringError(
                 Code.RESOURCE_EXHAUSTED,
-                f"teacher {teacher.name!r} queue is full ({admission.requests} requests, "
+                f"teacher {teacher_set.name!r} queue is full ({admission.requests} requests, "
                 f"{admission.tokens} tokens admitted); retry later",
-                retry_after=teacher.retry_hint(admission.tokens),
+                retry_after=teacher_set.retry_hint(admission.tokens),
             )
         admission.requests += 1
         admission.tokens += tokens
@@ -155,9 +155,9 @@ class ScoringService:
         teacher_name = "unknown"
         try:
             self._check_serving()
-            teacher = self.router.route(request.teacher_key)
-            teacher_name = teacher.name
-            valid = validate(teacher, request, max_answer_bytes=self.limits.max_answer_bytes if unary else None)
+            teacher_set = self.router.route(request.teacher_key)
+            teacher_name = teacher_set.name
+            valid = validate(teacher_set, request, max_answer_bytes=self.limits.max_answer_bytes if unary else None)
             valid = await decode(valid, self.limits.media)
             tokens = valid.request.num_tokens
             admission = self._admit(valid.teacher, tokens)
@@ -180,35 +180,35 @@ class ScoringService:
         return ScoredRequest(valid.request.request_id, teacher_name, valid.teacher.info.model, tokens, result, mode)
 
     async def _score_admitted(
-        self, teacher: ReplicaSet, request: EngineRequest, timeout: float | None
+        self, teacher_set: ReplicaSet, request: EngineRequest, timeout: float | None
     ) -> EngineResult:
         limit = timeout if timeout is not None else self.limits.default_timeout_s
         if limit is None:
-            return await teacher.score(request)
+            return await teacher_set.score(request)
         if limit <= 0:
             raise ScoringError(Code.DEADLINE_EXCEEDED, "deadline already passed before scoring started")
         try:  # a timeout scope, not wait_for: no task of its own per request
             async with asyncio.timeout(limit):
-                return await teacher.score(request)
+                return await teacher_set.score(request)
         except TimeoutError as exc:
             raise ScoringError(Code.DEADLINE_EXCEEDED, f"not scored within the deadline ({limit:.3f}s)") from exc
 
     # -- catalogue -------------------------------------------------------------------------
     def teacher_infos(self) -> list[scoring_pb2.TeacherInfo]:
         infos = []
-        for teacher in self.router.teachers.values():
+        for teacher_set in self.router.teachers.values():
             replicas = [
                 scoring_pb2.ReplicaInfo(replica_id=r.replica_id, state=int(r.state), devices=list(r.devices), node=r.node)
-                for r in teacher.replicas
+                for r in teacher_set.replicas
             ]
             try:
-                info = teacher.info
+                info = teacher_set.info
             except ScoringError:
-                infos.append(scoring_pb2.TeacherInfo(name=teacher.name, keys=list(teacher.keys), replicas=replicas))
+                infos.append(scoring_pb2.TeacherInfo(name=teacher_set.name, keys=list(teacher_set.keys), replicas=replicas))
                 continue
             infos.append(
                 scoring_pb2.TeacherInfo(
-                    name=teacher.name,
+                    name=teacher_set.name,
                     model=info.model,
                     fingerprint=info.fingerprint,
                     vocab_size=info.vocab_size,
@@ -219,7 +219,7 @@ class ScoringService:
                     replicas=replicas,
                     engine=info.engine,
                     dtype=wire_dtype(info.dtype),
-                    keys=list(teacher.keys),
+                    keys=list(teacher_set.keys),
                     media=list(info.media),
                     score_ids_method=info.score_ids_method,
                 )
@@ -229,11 +229,11 @@ class ScoringService:
     async def unembedding(self, teacher_key: str) -> tuple[torch.Tensor, str]:
         """The teacher's output embedding [V, H] and its fingerprint, fetched off the loop."""
         self._check_serving()
-        teacher = self.router.route(teacher_key)
-        replica = next((r for r in teacher.healthy() if r.engine is not None), None)
+        teacher_set = self.router.route(teacher_key)
+        replica = next((r for r in teacher_set.healthy() if r.engine is not None), None)
         if replica is None:
-            raise ScoringError(Code.UNAVAILABLE, f"teacher {teacher.name!r} has no healthy replica",
-                               retry_after=teacher.retry_hint())
-        return await replica.engine.fetch_unembedding(), teacher.info.fingerprint
+            raise ScoringError(Code.UNAVAILABLE, f"teacher {teacher_set.name!r} has no healthy replica",
+                               retry_after=teacher_set.retry_hint())
+        return await replica.engine.fetch_unembedding(), teacher_set.info.fingerprint
 
 
