@@ -57,7 +57,8 @@ cat > "$SCRIPT" <<'EOF'
 import asyncio, os, sys, tempfile
 import torch
 
-from proctor.server.engines import EngineRequest, EngineSpec, create_engine
+from proctor.server.engines.base import EngineRequest, EngineSpec
+from proctor.server.engines.factory import create_engine
 
 DTYPE, DEVICE, UTIL = os.environ["DTYPE"], os.environ["DEVICE"], float(os.environ["GPU_UTIL"])
 K = 16

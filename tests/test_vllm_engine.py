@@ -291,7 +291,8 @@ async def test_abort_of_running_requests_stops_them_in_vllm(vllm_engine):
 _SERVER_SCRIPT = textwrap.dedent(
     """
     import asyncio, multiprocessing, sys, torch
-    from proctor.server.engines import EngineRequest, EngineSpec, create_engine
+    from proctor.server.engines.base import EngineRequest, EngineSpec
+    from proctor.server.engines.factory import create_engine
 
     async def main(path):
         engine = create_engine(EngineSpec(name="vllm", model_path=path, device="cpu", dtype="float32",
