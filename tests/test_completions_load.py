@@ -15,15 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import random
-import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import psutil
 import pytest
 
-from support.servers import SubprocessServer
+from support.servers import SubprocessServer, poll_live_while
 
 PROMPT_TOKENS = 480
 TOPK = 32
@@ -40,38 +37,11 @@ def server(tiny_model_dir):
     served.stop()
 
 
-def _poll_while(url: str, call) -> tuple[list[float], float, httpx.Response]:
-    """Poll `/health/live` from a thread while `call()` runs: the polls' latencies, the call's
-    seconds and its reply."""
-    latencies: list[float] = []
-    done = threading.Event()
-
-    def probe() -> None:
-        with httpx.Client(base_url=url, timeout=30) as client:
-            while not done.is_set():
-                started = time.perf_counter()
-                assert client.get("/health/live").status_code == 200
-                latencies.append(time.perf_counter() - started)
-                time.sleep(0.01)
-
-    with ThreadPoolExecutor(1) as pool:
-        probing = pool.submit(probe)
-        time.sleep(0.1)
-        started = time.perf_counter()
-        try:
-            reply = call()
-        finally:
-            took = time.perf_counter() - started
-            done.set()
-        probing.result()
-    return latencies, took, reply
-
-
 def test_a_20_mb_body_leaves_health_polls_answered(server):
     prompt = b"[" + b"123," * 1_300_000 + b"7]"
     body = b'{"model": "load", "max_tokens": 1, "prompt_logprobs": 1, "prompt": [' + b",".join([prompt] * 4) + b"]}"
     assert len(body) > 20_000_000
-    latencies, took, reply = _poll_while(server.http_url, lambda: httpx.post(
+    latencies, took, reply = poll_live_while(server.http_url, lambda: httpx.post(
         server.http_url + "/v1/completions", content=body, headers={"content-type": "application/json"}, timeout=120))
     assert reply.status_code == 400, reply.text[:300]  # vLLM's status for a prompt over max_model_len
     error = reply.json()["error"]

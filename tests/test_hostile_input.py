@@ -25,6 +25,8 @@ from proctor.client.transports import PayloadTooLarge
 from proctor.proto import scoring_pb2, scoring_pb2_grpc
 from proctor.server.errors import Code
 
+from support.servers import poll_live_while
+
 TOKEN = "hostile-token"
 LIMIT = 1 << 20
 GOOD = {"token_ids": [1, 2, 3, 4], "logprobs": True}
@@ -157,26 +159,9 @@ def test_large_json_body_does_not_stall_other_requests(torch_server):
     """A ~10 MB JSON body (3.5M token ids) is decoded off the event loop: probes answered
     meanwhile stay fast, where an on-loop parse would hold them for the whole decode."""
     body = b'{"token_ids": [' + b"1, " * 3_500_000 + b'1], "logprobs": true}'
-    latencies: list[float] = []
-    done = threading.Event()
-
-    def probe() -> None:
-        with httpx.Client(base_url=torch_server.http_url, timeout=30) as client:
-            while not done.is_set():
-                started = time.perf_counter()
-                assert client.get("/health/live").status_code == 200
-                latencies.append(time.perf_counter() - started)
-                time.sleep(0.005)
-
-    with ThreadPoolExecutor(1) as pool:
-        probing = pool.submit(probe)
-        time.sleep(0.1)
-        started = time.perf_counter()
-        reply = httpx.post(torch_server.http_url + "/v1/score", content=body,
-                           headers={"content-type": "application/json"}, timeout=60)
-        took = time.perf_counter() - started
-        done.set()
-        probing.result()
+    latencies, took, reply = poll_live_while(torch_server.http_url, lambda: httpx.post(
+        torch_server.http_url + "/v1/score", content=body, headers={"content-type": "application/json"}, timeout=60),
+        interval=0.005)
     _assert_422(reply, "token_ids")  # more tokens than max_model_len
     assert len(latencies) > 5
     assert max(latencies) < max(0.25, took / 4), (max(latencies), took)

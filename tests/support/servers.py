@@ -14,13 +14,16 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from proctor.server.front.routing import Router
 from proctor.server.runtime import ServerThread
 from proctor.server.settings import ServerOptions
 
+T = TypeVar("T")
 
 def start_server(router: Router, **options) -> ServerThread:
     """`router` served in this process on free loopback ports; `options` are ServerOptions fields."""
@@ -49,6 +52,35 @@ def request_count(server: ServerThread, outcome: str) -> float:
 def engine_of(server: ServerThread, teacher: str):
     """The engine of `teacher`'s first replica, for counters the wire does not show."""
     return server.server.service.router.teachers[teacher].replicas[0].engine
+
+
+def poll_live_while(url: str, call: Callable[[], T], *, interval: float = 0.01) -> tuple[list[float], float, T]:
+    """Poll `url`'s `/health/live` from a thread while `call()` runs here: each poll's latency
+    (every poll must be answered 200), the call's seconds, and what it returned."""
+    import httpx
+
+    latencies: list[float] = []
+    done = threading.Event()
+
+    def probe() -> None:
+        with httpx.Client(base_url=url, timeout=30) as client:
+            while not done.is_set():
+                started = time.perf_counter()
+                assert client.get("/health/live").status_code == 200
+                latencies.append(time.perf_counter() - started)
+                time.sleep(interval)
+
+    with ThreadPoolExecutor(1) as pool:
+        probing = pool.submit(probe)
+        time.sleep(0.1)
+        started = time.perf_counter()
+        try:
+            value = call()
+        finally:
+            took = time.perf_counter() - started
+            done.set()
+        probing.result()
+    return latencies, took, value
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float = 30.0, interval: float = 0.05) -> None:
