@@ -5,7 +5,7 @@
 `proctor.client.loss` holds the distillation losses. Imports only `proctor.proto`.
 """
 
-from proctor.client.client import ScoreInput, TeacherClient, TeacherInfo, TeacherScores
+from proctor.client.client import RequestFields, ScoreInput, TeacherClient, TeacherInfo, TeacherScores
 from proctor.client.retry import NO_RETRY, RetryPolicy
 from proctor.client.sync import SyncTeacherClient
 from proctor.client.transports import (
@@ -27,6 +27,7 @@ __all__ = [
     "InvalidArgument",
     "Media",
     "PayloadTooLarge",
+    "RequestFields",
     "ResourceExhausted",
     "RetryPolicy",
     "ScoreInput",

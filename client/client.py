@@ -15,7 +15,7 @@ import random
 import uuid
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import torch
 
@@ -136,6 +136,30 @@ def _token_list(token_ids: Sequence[int] | torch.Tensor) -> list[int]:
 ScoreIds = torch.Tensor | Sequence[Sequence[int]]
 
 
+class RequestFields(TypedDict, total=False):
+    """What one scored sequence may ask for besides its ids (`TeacherClient.build_request`).
+
+    `teacher_key` routes it; `prompt_length` (default 1) is the first row answered; `logprobs`
+    (default True), `topk` (default 0) and `hidden_states` (default False) choose the answer;
+    images / videos / audios and `mm_processor_kwargs` carry a multimodal prompt; `score_ids`
+    ([R, K], -1 pads) asks for the teacher's log-probs at those ids; `temperature` divides the
+    teacher's logits (None: 1); `request_id` defaults to a fresh uuid.
+    """
+
+    teacher_key: str | None
+    prompt_length: int | None
+    logprobs: bool
+    topk: int
+    hidden_states: bool
+    images: Iterable[MediaLike] | None
+    videos: Iterable[MediaLike] | None
+    audios: Iterable[MediaLike] | None
+    mm_processor_kwargs: Mapping[str, Any] | str | None
+    request_id: str | None
+    score_ids: ScoreIds | None
+    temperature: float | None
+
+
 def score_ids_tensor(score_ids: ScoreIds, first_row: int) -> scoring_pb2.Tensor:
     """The wire form of score_ids: int32 [R, K], -1 padding, saying its first row."""
     if isinstance(score_ids, torch.Tensor):
@@ -241,79 +265,55 @@ class TeacherClient:
 
     # -- scoring ---------------------------------------------------------------------------
     def build_request(
-        self,
-        token_ids: Sequence[int] | torch.Tensor,
-        *,
-        teacher_key: str | None = None,
-        prompt_length: int | None = None,
-        logprobs: bool = True,
-        topk: int = 0,
-        hidden_states: bool = False,
-        images: Iterable[MediaLike] | None = None,
-        videos: Iterable[MediaLike] | None = None,
-        audios: Iterable[MediaLike] | None = None,
-        mm_processor_kwargs: Mapping[str, Any] | str | None = None,
-        request_id: str | None = None,
-        score_ids: ScoreIds | None = None,
-        temperature: float | None = None,
+        self, token_ids: Sequence[int] | torch.Tensor, **fields: Unpack[RequestFields]
     ) -> scoring_pb2.ScoreRequest:
         """The wire request for one sequence (the server validates ranges and sizes).
 
         `score_ids`: ids to score for rows first_row..T-1 (first_row = prompt_length, else 1),
         e.g. the student's top-k at the rollout (`proctor.client.batch.student_topk_ids`).
-        `temperature`: divides the teacher's logits before the log-softmax (None: 1; engines that
-        cannot apply it, vLLM's, refuse any other value with INVALID_ARGUMENT).
+        `temperature`: engines that cannot apply it (vLLM's) refuse any value but 1 with
+        INVALID_ARGUMENT.
         """
+        unknown = sorted(set(fields) - RequestFields.__optional_keys__)
+        if unknown:
+            raise TypeError(f"build_request() got unexpected keyword argument(s): {', '.join(unknown)}")
         request = scoring_pb2.ScoreRequest(
-            request_id=request_id or uuid.uuid4().hex,
-            teacher_key=teacher_key or "",
+            request_id=fields.get("request_id") or uuid.uuid4().hex,
+            teacher_key=fields.get("teacher_key") or "",
             token_ids=_token_list(token_ids),
-            logprobs=logprobs,
-            topk=int(topk),
-            hidden_states=hidden_states,
-            images=to_wire_media(images, "images"),
-            videos=to_wire_media(videos, "videos"),
-            audios=to_wire_media(audios, "audios"),
-            mm_processor_kwargs=processor_kwargs_json(mm_processor_kwargs),
+            logprobs=fields.get("logprobs", True),
+            topk=int(fields.get("topk", 0)),
+            hidden_states=fields.get("hidden_states", False),
+            images=to_wire_media(fields.get("images"), "images"),
+            videos=to_wire_media(fields.get("videos"), "videos"),
+            audios=to_wire_media(fields.get("audios"), "audios"),
+            mm_processor_kwargs=processor_kwargs_json(fields.get("mm_processor_kwargs")),
         )
+        prompt_length = fields.get("prompt_length")
         if prompt_length is not None:
             request.prompt_length = int(prompt_length)
-        if score_ids is not None:
-            request.score_ids.CopyFrom(score_ids_tensor(score_ids, 1 if prompt_length is None else int(prompt_length)))
-        if temperature is not None:
-            request.temperature = float(temperature)
+        if fields.get("score_ids") is not None:
+            first_row = 1 if prompt_length is None else int(prompt_length)
+            request.score_ids.CopyFrom(score_ids_tensor(fields["score_ids"], first_row))
+        if fields.get("temperature") is not None:
+            request.temperature = float(fields["temperature"])
         return request
 
     async def score(
         self,
         token_ids: Sequence[int] | torch.Tensor,
         *,
-        teacher_key: str | None = None,
-        prompt_length: int | None = None,
-        logprobs: bool = True,
-        topk: int = 0,
-        hidden_states: bool = False,
-        images: Iterable[MediaLike] | None = None,
-        videos: Iterable[MediaLike] | None = None,
-        audios: Iterable[MediaLike] | None = None,
-        mm_processor_kwargs: Mapping[str, Any] | str | None = None,
         timeout: float | None = None,
-        request_id: str | None = None,
-        score_ids: ScoreIds | None = None,
-        temperature: float | None = None,
+        **fields: Unpack[RequestFields],
     ) -> TeacherScores:
-        """Score one sequence. Hidden states travel by ScoreStream on gRPC (no message limit).
+        """Score one sequence (`fields`: `RequestFields`). Hidden states travel by ScoreStream on
+        gRPC (no message limit).
 
         With `score_ids` ([R, K] ids for rows first_row..T-1, -1 padding) the answer's
         `score_logprobs` holds the teacher's full-vocabulary log-probs at those ids.
         """
-        request = self.build_request(
-            token_ids, teacher_key=teacher_key, prompt_length=prompt_length, logprobs=logprobs, topk=topk,
-            hidden_states=hidden_states, images=images, videos=videos, audios=audios,
-            mm_processor_kwargs=mm_processor_kwargs, request_id=request_id, score_ids=score_ids,
-            temperature=temperature,
-        )
-        if hidden_states:
+        request = self.build_request(token_ids, **fields)
+        if request.hidden_states:
             return await self._stream_request(request, timeout)
 
         async def attempt(transport: Transport, remaining: float | None):
@@ -326,11 +326,10 @@ class TeacherClient:
         token_ids: Sequence[int] | torch.Tensor,
         *,
         timeout: float | None = None,
-        **kwargs: Any,
+        **fields: Unpack[RequestFields],
     ) -> TeacherScores:
         """Score with hidden states through ScoreStream and reassemble the row chunks."""
-        kwargs["hidden_states"] = True
-        request = self.build_request(token_ids, **kwargs)
+        request = self.build_request(token_ids, **{**fields, "hidden_states": True})
         return await self._stream_request(request, timeout)
 
     async def _stream_request(self, request: scoring_pb2.ScoreRequest, timeout: float | None) -> TeacherScores:

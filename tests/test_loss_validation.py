@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from proctor.client.loss import full_vocab_kl, sampled_kl, topk_kl
+from proctor.client.loss import aggregate, distillation_loss, full_vocab_kl, sampled_kl, topk_kl
 
 N, H, V, K = 6, 8, 20, 3
 
@@ -126,3 +126,28 @@ def test_sampled_unknown_mode_raises():
 def test_sampled_shape_mismatch_raises():
     with pytest.raises(ValueError, match="teacher_logprobs"):
         sampled_kl(torch.zeros(3), torch.zeros(4), "k3")
+
+
+@pytest.mark.parametrize(
+    ("call", "function"),
+    [
+        (lambda t: full_vocab_kl(t["th"], t["tw"], student_logits=t["logits"], chunk_vocabs=4), "full_vocab_kl"),
+        (lambda t: topk_kl(t["ids"], t["lps"], student_logits=t["logits"], teacher_index=None), "topk_kl"),
+        (lambda t: aggregate(torch.ones(N), dp_sizes=2), "aggregate_weights"),
+        (lambda t: distillation_loss({"loss_mode": "k3"}, student_logprob=torch.zeros(N)), "distillation_loss"),
+    ],
+)
+def test_an_option_the_function_does_not_take_is_a_type_error(t, call, function):
+    # The shared options are read from one TypedDict per function: a misspelt or foreign one
+    # (topk_kl has no teacher_index) must fail as a plain keyword argument would.
+    with pytest.raises(TypeError, match=rf"{function}\(\) got unexpected keyword argument"):
+        call(t)
+
+
+def test_option_defaults_are_the_documented_ones(t):
+    # beta defaults to 0.5 for the JSD: the default written once in LossOptions.
+    explicit = full_vocab_kl(t["th"], t["tw"], student_logits=t["logits"], direction="jsd", beta=0.5)
+    implicit = full_vocab_kl(t["th"], t["tw"], student_logits=t["logits"], direction="jsd")
+    other = full_vocab_kl(t["th"], t["tw"], student_logits=t["logits"], direction="jsd", beta=0.25)
+    assert torch.equal(explicit, implicit)
+    assert not torch.allclose(explicit, other)

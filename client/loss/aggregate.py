@@ -8,7 +8,11 @@ belongs to).
 
 from __future__ import annotations
 
+from typing import Unpack
+
 import torch
+
+from .options import AggregateOptions, check_keys
 
 AGG_MODES = (
     "token-mean",
@@ -36,12 +40,8 @@ def aggregate_weights(
     mask: torch.Tensor,
     mode: str = "token-mean",
     *,
-    seq_index: torch.Tensor | None = None,
-    dp_size: int = 1,
-    batch_num_tokens: float | torch.Tensor | None = None,
-    global_batch_size: float | torch.Tensor | None = None,
-    loss_scale_factor: float | None = None,
     dtype: torch.dtype = torch.float32,
+    **options: Unpack[AggregateOptions],
 ) -> torch.Tensor:
     """Per-token weights ``w`` (the mask's shape) with ``aggregate(loss, mask, mode, ...) = Σ w · loss``.
 
@@ -53,6 +53,10 @@ def aggregate_weights(
     """
     if mode not in AGG_MODES:
         raise ValueError(f"mode must be one of {AGG_MODES}, got {mode!r}")
+    check_keys(AggregateOptions, options, "aggregate_weights")
+    seq_index, dp_size = options.get("seq_index"), options.get("dp_size", 1)
+    batch_num_tokens, global_batch_size = options.get("batch_num_tokens"), options.get("global_batch_size")
+    loss_scale_factor = options.get("loss_scale_factor")
     if mask.dim() not in (1, 2):
         raise ValueError(f"mask must be [N] or [B, T], got shape {tuple(mask.shape)}")
     mf = mask.bool().to(dtype)
@@ -87,12 +91,7 @@ def aggregate(
     loss: torch.Tensor,
     mask: torch.Tensor | None = None,
     mode: str = "token-mean",
-    *,
-    seq_index: torch.Tensor | None = None,
-    dp_size: int = 1,
-    batch_num_tokens: float | torch.Tensor | None = None,
-    global_batch_size: float | torch.Tensor | None = None,
-    loss_scale_factor: float | None = None,
+    **options: Unpack[AggregateOptions],
 ) -> torch.Tensor:
     """Reduce a per-token loss to a scalar over the tokens where ``mask`` is set.
 
@@ -112,9 +111,6 @@ def aggregate(
     if mask.shape != loss.shape:
         raise ValueError(f"mask has shape {tuple(mask.shape)} but loss has {tuple(loss.shape)}")
     m = mask.to(device=loss.device).bool()
-    weights = aggregate_weights(
-        m, mode, seq_index=seq_index, dp_size=dp_size, batch_num_tokens=batch_num_tokens,
-        global_batch_size=global_batch_size, loss_scale_factor=loss_scale_factor, dtype=loss.dtype,
-    )
+    weights = aggregate_weights(m, mode, dtype=loss.dtype, **options)
     masked = torch.where(m, loss, torch.zeros((), dtype=loss.dtype, device=loss.device))
     return (masked * weights).sum()

@@ -24,18 +24,23 @@ penalty, ``gkd_ratio`` = λ mixes ``(1 - λ)·L_RL + λ·L_GKD``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 
 from .aggregate import aggregate, aggregate_weights
 from .full_vocab import full_vocab_kl, full_vocab_kl_reduced
 from .metrics import loss_metrics
+from .options import AggregateOptions, DistillationInputs, check_keys
 from .reduced import Reduced, Transform
 from .sampled import sampled_kl
 from .settings import LossSettings
 from .student_topk import student_topk_masses, student_topk_reverse_kl
 from .topk import topk_kl, topk_kl_reduced, topk_masses
+
+
+class DistillationStepInputs(DistillationInputs, AggregateOptions, total=False):
+    """``distillation_loss``'s keywords: the loss inputs and the aggregation's knobs."""
 
 
 @dataclass
@@ -138,7 +143,7 @@ def _max_clamp(s: LossSettings, loss: torch.Tensor) -> torch.Tensor:
 
 
 def _reduction_weights(
-    s: LossSettings, inputs: dict[str, Any], mask: torch.Tensor | None, seq_index, agg_kwargs: dict
+    s: LossSettings, inputs: dict[str, Any], mask: torch.Tensor | None, agg_kwargs: dict
 ) -> torch.Tensor | None:
     """``aggregate``'s per-token weights when the reduced path applies, else None.
 
@@ -159,7 +164,7 @@ def _reduction_weights(
     if m.shape != (n,):
         return None
     dtype = torch.float64 if student.dtype == torch.float64 else torch.float32  # the losses' compute dtype
-    weights = aggregate_weights(m, s.loss_agg_mode, seq_index=seq_index, dtype=dtype, **agg_kwargs)
+    weights = aggregate_weights(m, s.loss_agg_mode, dtype=dtype, **agg_kwargs)
     return weights if bool(torch.isfinite(weights).all()) else None
 
 
@@ -168,7 +173,7 @@ def _step_metrics(s: LossSettings, per_token: torch.Tensor, mask: torch.Tensor |
     """verl's loss metrics for the step: the masses on the top-k (teacher's or student's support)
     where the loss has one, and the mean |loss| of a sampled estimator."""
     student_mass = teacher_mass = None
-    student = {name: inputs[name] for name in ("student_hidden", "student_weight", "student_logits")}
+    student = {name: inputs.get(name) for name in ("student_hidden", "student_weight", "student_logits")}
     if s.is_topk:
         student_mass, teacher_mass = topk_masses(
             inputs["teacher_topk_ids"], inputs["teacher_topk_logprobs"], **student, chunk_tokens=s.chunk_tokens,
@@ -187,23 +192,7 @@ def _step_metrics(s: LossSettings, per_token: torch.Tensor, mask: torch.Tensor |
 
 
 def distillation_loss(
-    config: Any,
-    *,
-    mask: torch.Tensor | None = None,
-    seq_index: torch.Tensor | None = None,
-    student_logprobs: torch.Tensor | None = None,
-    teacher_logprobs: torch.Tensor | None = None,
-    teacher_topk_ids: torch.Tensor | None = None,
-    teacher_topk_logprobs: torch.Tensor | None = None,
-    teacher_hidden: torch.Tensor | None = None,
-    teacher_weight: Any = None,
-    teacher_index: torch.Tensor | None = None,
-    student_hidden: torch.Tensor | None = None,
-    student_weight: torch.Tensor | None = None,
-    student_logits: torch.Tensor | None = None,
-    student_topk_ids: torch.Tensor | None = None,
-    teacher_score_logprobs: torch.Tensor | None = None,
-    **agg_kwargs: Any,
+    config: Any, *, mask: torch.Tensor | None = None, **given: Unpack[DistillationStepInputs]
 ) -> DistillationOutput:
     """Compute the distillation term of a training step as verl would.
 
@@ -211,18 +200,14 @@ def distillation_loss(
     block), as a dict or an object. ``mask``: valid response tokens ``[N]``.
     ``student_topk_ids`` / ``teacher_score_logprobs`` ``[N, K]``: the student's support and the
     teacher's log-probs at it (``student_topk_reverse_kl``).
-    ``agg_kwargs`` go to ``aggregate`` (``dp_size``, ``batch_num_tokens``,
-    ``global_batch_size``, ``loss_scale_factor``).
+    The tensors (``DistillationInputs``) are those the loss mode needs; the ``AggregateOptions``
+    (``seq_index``, ``dp_size``, ``batch_num_tokens``, ...) go to ``aggregate``.
     """
+    check_keys(DistillationStepInputs, given, "distillation_loss")
     s = LossSettings.from_config(config)
-    inputs = dict(
-        student_logprobs=student_logprobs, teacher_logprobs=teacher_logprobs,
-        teacher_topk_ids=teacher_topk_ids, teacher_topk_logprobs=teacher_topk_logprobs,
-        teacher_hidden=teacher_hidden, teacher_weight=teacher_weight, teacher_index=teacher_index,
-        student_hidden=student_hidden, student_weight=student_weight, student_logits=student_logits,
-        student_topk_ids=student_topk_ids, teacher_score_logprobs=teacher_score_logprobs,
-    )
-    weights = _reduction_weights(s, inputs, mask, seq_index, agg_kwargs)
+    agg_kwargs = {k: v for k, v in given.items() if k in AggregateOptions.__optional_keys__}
+    inputs: dict[str, Any] = {k: v for k, v in given.items() if k not in agg_kwargs}
+    weights = _reduction_weights(s, inputs, mask, agg_kwargs)
     reduced = None
     if weights is not None:
         # Gradients formed in the forward pass: 4 matmuls over N·H·V instead of 6 or more.
@@ -241,6 +226,6 @@ def distillation_loss(
     if reduced is not None:
         loss = reduced.total * s.coefficient
     else:
-        loss = aggregate(per_token, mask, s.loss_agg_mode, seq_index=seq_index, **agg_kwargs) * s.coefficient
+        loss = aggregate(per_token, mask, s.loss_agg_mode, **agg_kwargs) * s.coefficient
     metrics["loss_aggregated"] = float(loss.detach())
     return DistillationOutput(s, per_token, loss, None, metrics)

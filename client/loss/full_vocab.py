@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Unpack
 
 import torch
 
@@ -35,6 +36,7 @@ from . import _checks
 from .chunked_loss import ChunkedLoss, GradFn, RowBuffers, Stats, per_token, reduced
 from .chunking import Chunking, FusedSource, OnlineLogSumExp, RowBlock, compute_dtype, for_device
 from .divergences import Divergence, full_rows, full_rows_sliced, make_divergence
+from .options import FullVocabOptions, LossOptions, read_options
 from .reduced import Reduced, Transform, check_weights
 from .teachers import by_teacher, check_teachers
 
@@ -134,37 +136,25 @@ def _rows_function(div: Divergence, device: torch.device) -> Callable:
 
 
 def _prepare(
-    teacher_hidden: torch.Tensor,
-    teacher_weight,
-    student_hidden: torch.Tensor | None,
-    student_weight: torch.Tensor | None,
-    student_logits: torch.Tensor | None,
-    direction: str,
-    beta: float,
-    temperature: float,
-    log_prob_min_clamp: float | None,
-    chunk_tokens: int | None,
-    chunk_vocab: int | None,
-    teacher_index: torch.Tensor | None,
-    reduced: bool,
+    teacher_hidden: torch.Tensor, teacher_weight, o: LossOptions, reduced: bool
 ) -> tuple[_Spec, list, int]:
     """Validate the arguments of both entries; return ``(spec, teacher weights, N)``."""
-    _checks.check_options(direction, beta, temperature, log_prob_min_clamp, chunk_tokens)
-    _checks.check_chunk("chunk_vocab", chunk_vocab)
+    _checks.check_options(o.direction, o.beta, o.temperature, o.log_prob_min_clamp, o.chunk_tokens)
+    _checks.check_chunk("chunk_vocab", o.chunk_vocab)
     _checks.require_2d("teacher_hidden", teacher_hidden)
-    n, vocab = _checks.check_student(student_hidden, student_weight, student_logits, teacher_hidden.shape[0])
-    weights = check_teachers(teacher_hidden, teacher_weight, teacher_index, vocab)
+    n, vocab = _checks.check_student(*o.student, teacher_hidden.shape[0])
+    weights = check_teachers(teacher_hidden, teacher_weight, o.teacher_index, vocab)
     if reduced:
-        chunking = Chunking.resolve_rows(n, vocab, chunk_tokens, chunk_vocab, teacher_hidden.device)
+        chunking = Chunking.resolve_rows(n, vocab, o.chunk_tokens, o.chunk_vocab, teacher_hidden.device)
     else:
-        chunking = Chunking.resolve(n, vocab, chunk_tokens, chunk_vocab)
+        chunking = Chunking.resolve(n, vocab, o.chunk_tokens, o.chunk_vocab)
     spec = _Spec(
-        make_divergence(direction, beta, log_prob_min_clamp),
-        1.0 / float(temperature),
+        make_divergence(o.direction, o.beta, o.log_prob_min_clamp),
+        1.0 / float(o.temperature),
         chunking,
-        compute_dtype(student_hidden, student_weight, student_logits, teacher_hidden),
+        compute_dtype(*o.student, teacher_hidden),
     )
-    if teacher_index is None and weights[0] is None:
+    if o.teacher_index is None and weights[0] is None:
         raise ValueError("teacher_weight is None: the teacher has no unembedding")
     return spec, weights, n
 
@@ -172,17 +162,7 @@ def _prepare(
 def full_vocab_kl(
     teacher_hidden: torch.Tensor,
     teacher_weight: torch.Tensor | Sequence[torch.Tensor | None],
-    *,
-    student_hidden: torch.Tensor | None = None,
-    student_weight: torch.Tensor | None = None,
-    student_logits: torch.Tensor | None = None,
-    direction: str = "forward",
-    beta: float = 0.5,
-    temperature: float = 1.0,
-    log_prob_min_clamp: float | None = None,
-    chunk_tokens: int | None = None,
-    chunk_vocab: int | None = None,
-    teacher_index: torch.Tensor | None = None,
+    **options: Unpack[FullVocabOptions],
 ) -> torch.Tensor:
     """Exact per-token divergence over the whole vocabulary, as a float32 ``[N]`` tensor
     (float64 when the inputs are float64).
@@ -202,16 +182,13 @@ def full_vocab_kl(
     known now (a mask and an aggregation mode), ``full_vocab_kl_reduced`` costs 4
     matmuls over ``N·H·V`` instead of this function's 6 or more.
     """
-    spec, weights, _ = _prepare(
-        teacher_hidden, teacher_weight, student_hidden, student_weight, student_logits, direction, beta,
-        temperature, log_prob_min_clamp, chunk_tokens, chunk_vocab, teacher_index, reduced=False,
-    )
-    student = (student_hidden, student_weight, student_logits)
+    o = read_options(FullVocabOptions, options, "full_vocab_kl")
+    spec, weights, _ = _prepare(teacher_hidden, teacher_weight, o, reduced=False)
 
     def run(sub_student, th, tw, rows):
         return per_token(_FullVocabLoss(spec, th, tw), *sub_student), None
 
-    loss, _ = by_teacher(teacher_hidden.detach(), weights, teacher_index, student, run, spec.dtype)
+    loss, _ = by_teacher(teacher_hidden.detach(), weights, o.teacher_index, o.student, run, spec.dtype)
     return loss
 
 
@@ -220,17 +197,8 @@ def full_vocab_kl_reduced(
     teacher_weight: torch.Tensor | Sequence[torch.Tensor | None],
     weights: torch.Tensor,
     *,
-    student_hidden: torch.Tensor | None = None,
-    student_weight: torch.Tensor | None = None,
-    student_logits: torch.Tensor | None = None,
-    direction: str = "forward",
-    beta: float = 0.5,
-    temperature: float = 1.0,
-    log_prob_min_clamp: float | None = None,
-    chunk_tokens: int | None = None,
-    chunk_vocab: int | None = None,
-    teacher_index: torch.Tensor | None = None,
     transform: Transform | None = None,
+    **options: Unpack[FullVocabOptions],
 ) -> Reduced:
     """``Σ_i weights_i · transform(ℓ_i)`` of ``full_vocab_kl``'s per-token loss ``ℓ``, at the matmul floor.
 
@@ -246,19 +214,16 @@ def full_vocab_kl_reduced(
     stored gradients are handed to autograd in the backward, so ``total`` can be
     backpropagated once.
     """
-    spec, t_weights, n = _prepare(
-        teacher_hidden, teacher_weight, student_hidden, student_weight, student_logits, direction, beta,
-        temperature, log_prob_min_clamp, chunk_tokens, chunk_vocab, teacher_index, reduced=True,
-    )
+    o = read_options(FullVocabOptions, options, "full_vocab_kl_reduced")
+    spec, t_weights, n = _prepare(teacher_hidden, teacher_weight, o, reduced=True)
     check_weights(weights, n)
     w_all = weights.detach()
-    student = (student_hidden, student_weight, student_logits)
 
     def run(sub_student, th, tw, rows):
         w = w_all if rows is None else w_all.index_select(0, rows.to(w_all.device))
         total, loss = reduced(_FullVocabLoss(spec, th, tw), *sub_student, w, transform)
         return loss, total
 
-    loss, total = by_teacher(teacher_hidden.detach(), t_weights, teacher_index, student, run, spec.dtype)
+    loss, total = by_teacher(teacher_hidden.detach(), t_weights, o.teacher_index, o.student, run, spec.dtype)
     return Reduced(total, loss)
 

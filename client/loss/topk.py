@@ -21,6 +21,7 @@ per-token path differentiates it through autograd; the reduced forward KL is a
 from __future__ import annotations
 
 import math
+from typing import Unpack
 
 import torch
 
@@ -28,6 +29,7 @@ from . import _checks
 from .chunked_loss import ChunkedLoss, GradFn, RowBuffers, Stats, reduced
 from .chunking import Chunking, RowBlock, compute_dtype
 from .divergences import row_logsumexp
+from .options import DivergenceOptions, SupportOptions, read_options
 from .reduced import Reduced, Transform, check_weights, weighted_total
 from .student_ops import student_logits_at, student_logsumexp
 
@@ -62,30 +64,20 @@ def renormalised_divergence(log_qs: torch.Tensor, log_qt: torch.Tensor, directio
 
 
 def topk_kl(
-    teacher_topk_ids: torch.Tensor,
-    teacher_topk_logprobs: torch.Tensor,
-    *,
-    student_hidden: torch.Tensor | None = None,
-    student_weight: torch.Tensor | None = None,
-    student_logits: torch.Tensor | None = None,
-    direction: str = "forward",
-    beta: float = 0.5,
-    temperature: float = 1.0,
-    log_prob_min_clamp: float | None = None,
-    chunk_tokens: int | None = None,
+    teacher_topk_ids: torch.Tensor, teacher_topk_logprobs: torch.Tensor, **options: Unpack[DivergenceOptions]
 ) -> torch.Tensor:
     """Per-token top-k divergence, float32 ``[N]`` (float64 for float64 inputs), differentiable
-    in the student inputs."""
-    _checks.check_options(direction, beta, temperature, log_prob_min_clamp, chunk_tokens)
-    n, vocab = _check_inputs(teacher_topk_ids, teacher_topk_logprobs, student_hidden, student_weight, student_logits)
-    inv_tau = 1.0 / float(temperature)
-    t = teacher_topk_logprobs.detach().to(compute_dtype(student_hidden, student_weight, student_logits))
-    a_ids = student_logits_at(student_hidden, student_weight, student_logits, teacher_topk_ids, inv_tau)
+    in the student inputs (``options``: ``DivergenceOptions``)."""
+    o = read_options(DivergenceOptions, options, "topk_kl")
+    _checks.check_options(o.direction, o.beta, o.temperature, o.log_prob_min_clamp, o.chunk_tokens)
+    n, vocab = _check_inputs(teacher_topk_ids, teacher_topk_logprobs, *o.student)
+    inv_tau = 1.0 / float(o.temperature)
+    t = teacher_topk_logprobs.detach().to(compute_dtype(*o.student))
+    a_ids = student_logits_at(*o.student, teacher_topk_ids, inv_tau)
     lse = None
-    if direction == "forward":
-        chunking = Chunking.resolve(n, vocab, chunk_tokens, None)
-        lse = student_logsumexp(student_hidden, student_weight, student_logits, inv_tau, chunking)
-    return topk_terms(a_ids, lse, t, direction, float(beta), inv_tau, log_prob_min_clamp)
+    if o.direction == "forward":
+        lse = student_logsumexp(*o.student, inv_tau, Chunking.resolve(n, vocab, o.chunk_tokens, None))
+    return topk_terms(a_ids, lse, t, o.direction, float(o.beta), inv_tau, o.log_prob_min_clamp)
 
 
 def topk_terms(
@@ -168,15 +160,8 @@ def topk_kl_reduced(
     teacher_topk_logprobs: torch.Tensor,
     weights: torch.Tensor,
     *,
-    student_hidden: torch.Tensor | None = None,
-    student_weight: torch.Tensor | None = None,
-    student_logits: torch.Tensor | None = None,
-    direction: str = "forward",
-    beta: float = 0.5,
-    temperature: float = 1.0,
-    log_prob_min_clamp: float | None = None,
-    chunk_tokens: int | None = None,
     transform: Transform | None = None,
+    **options: Unpack[DivergenceOptions],
 ) -> Reduced:
     """``Σ_i weights_i · transform(ℓ_i)`` of ``topk_kl``'s per-token loss ``ℓ``.
 
@@ -186,45 +171,35 @@ def topk_kl_reduced(
     held at a time. Reverse / JSD touch ``[N, K]`` only, so they are the per-token loss reduced
     under autograd. ``per_token`` is differentiable in every direction (see ``Reduced``).
     """
-    _checks.check_options(direction, beta, temperature, log_prob_min_clamp, chunk_tokens)
-    n, vocab = _check_inputs(teacher_topk_ids, teacher_topk_logprobs, student_hidden, student_weight, student_logits)
+    o = read_options(DivergenceOptions, options, "topk_kl_reduced")
+    _checks.check_options(o.direction, o.beta, o.temperature, o.log_prob_min_clamp, o.chunk_tokens)
+    n, vocab = _check_inputs(teacher_topk_ids, teacher_topk_logprobs, *o.student)
     check_weights(weights, n)
-    student = (student_hidden, student_weight, student_logits)
-    if direction != "forward":
-        per_token = topk_kl(
-            teacher_topk_ids, teacher_topk_logprobs, student_hidden=student_hidden, student_weight=student_weight,
-            student_logits=student_logits, direction=direction, beta=beta, temperature=temperature,
-        )
+    if o.direction != "forward":
+        per_token = topk_kl(teacher_topk_ids, teacher_topk_logprobs, **options)
         values = per_token if transform is None else transform(per_token)
         return Reduced(weighted_total(values, weights.detach().to(values.dtype)), per_token)
-    t = teacher_topk_logprobs.detach().to(compute_dtype(*student))
-    chunking = Chunking.resolve_rows(n, vocab, chunk_tokens, None, t.device)
+    t = teacher_topk_logprobs.detach().to(compute_dtype(*o.student))
+    chunking = Chunking.resolve_rows(n, vocab, o.chunk_tokens, None, t.device)
     ids = teacher_topk_ids.to(device=t.device, dtype=torch.long)
-    loss = _ForwardTopKLoss(ids, t, log_prob_min_clamp, 1.0 / float(temperature), chunking)
-    return reduced(loss, *student, weights, transform)
+    loss = _ForwardTopKLoss(ids, t, o.log_prob_min_clamp, 1.0 / float(o.temperature), chunking)
+    return reduced(loss, *o.student, weights, transform)
 
 
 def topk_masses(
-    teacher_topk_ids: torch.Tensor,
-    teacher_topk_logprobs: torch.Tensor,
-    *,
-    student_hidden: torch.Tensor | None = None,
-    student_weight: torch.Tensor | None = None,
-    student_logits: torch.Tensor | None = None,
-    temperature: float = 1.0,
-    chunk_tokens: int | None = None,
+    teacher_topk_ids: torch.Tensor, teacher_topk_logprobs: torch.Tensor, **options: Unpack[SupportOptions]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token probability mass the student and the teacher put on the teacher's top-k ids.
 
     A diagnostic (as verl logs it): how much of each distribution the top-k
     losses actually see. Computed without gradient.
     """
-    n, vocab = _check_inputs(teacher_topk_ids, teacher_topk_logprobs, student_hidden, student_weight, student_logits)
-    inv_tau = 1.0 / float(temperature)
+    o = read_options(SupportOptions, options, "topk_masses")
+    n, vocab = _check_inputs(teacher_topk_ids, teacher_topk_logprobs, *o.student)
+    inv_tau = 1.0 / float(o.temperature)
     with torch.no_grad():
-        chunking = Chunking.resolve(n, vocab, chunk_tokens, None)
-        lse = student_logsumexp(student_hidden, student_weight, student_logits, inv_tau, chunking)
-        a_ids = student_logits_at(student_hidden, student_weight, student_logits, teacher_topk_ids, inv_tau)
+        lse = student_logsumexp(*o.student, inv_tau, Chunking.resolve(n, vocab, o.chunk_tokens, None))
+        a_ids = student_logits_at(*o.student, teacher_topk_ids, inv_tau)
         student_mass = torch.exp(a_ids - lse[:, None]).sum(dim=1)
         teacher_mass = torch.exp(teacher_topk_logprobs.float()).sum(dim=1)
     return student_mass, teacher_mass
