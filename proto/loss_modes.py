@@ -9,6 +9,8 @@ torch-free, and both read it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 SAMPLED_MODES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 TOPK_MODES = ("forward_kl_topk", "topk_reverse_kl", "topk_jsd")
 HIDDEN_STATE_MODES = ("nitrobrew", "nitrobrew_reverse_kl", "full_jsd")
@@ -71,23 +73,16 @@ def is_sampled(mode: str) -> bool:
     return mode in SAMPLED_MODES
 
 
+def _family(test: Callable[[str], bool], doc: str) -> property:
+    return property(lambda self: test(self.loss_mode), doc=doc)
+
+
 class LossFamilies:
     """The families of a settings object's `loss_mode`, under one name on both sides."""
 
     loss_mode: str
 
-    @property
-    def is_topk(self) -> bool:
-        return is_topk(self.loss_mode)
-
-    @property
-    def is_hidden_state(self) -> bool:
-        return is_hidden_state(self.loss_mode)
-
-    @property
-    def is_sampled(self) -> bool:
-        return is_sampled(self.loss_mode)
-
-    @property
-    def is_student_topk(self) -> bool:
-        return is_student_topk(self.loss_mode)
+    is_topk = _family(is_topk, "The loss reads the teacher's top-k.")
+    is_hidden_state = _family(is_hidden_state, "The loss reads the teacher's hidden states.")
+    is_sampled = _family(is_sampled, "The loss reads the sampled tokens' log-probs.")
+    is_student_topk = _family(is_student_topk, "The loss reads the teacher at the student's top-k.")

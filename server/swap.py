@@ -17,7 +17,6 @@ routing, batching and failover do not know about swapping.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import deque
@@ -25,6 +24,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from proctor.server.background import cancel_and_wait
 from proctor.server.engines.base import (
     DEFAULT_TOKEN_BUDGET,
     EngineError,
@@ -149,11 +149,8 @@ class SwapGroup:
 
     async def _unload(self) -> None:
         self.healthy = False
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         for queue in self._queues.values():
             while queue:
                 job = queue.popleft()

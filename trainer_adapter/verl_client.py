@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from proctor.client import Media, TeacherClient
+from proctor.client.loss.settings import config_value
 from proctor.trainer_adapter.verl_layout import verl_hidden_rows, verl_rows
 
 DEFAULT_TOKEN_ENV = "PROCTOR_AUTH_TOKEN"
@@ -185,28 +186,16 @@ class ProctorTeacherClient:
             await client.close()
 
 
-def _get(node: Any, key: str, default: Any = None) -> Any:
-    """`node[key]` for verl's configs in any of their shapes (dict, DictConfig, dataclass, None)."""
-    if node is None:
-        return default
-    if isinstance(node, Mapping) or hasattr(node, "keys"):
-        try:
-            return node.get(key, default)
-        except (AttributeError, TypeError):
-            return default
-    return getattr(node, key, default)
-
-
 def proctor_serves_teachers(config: Any) -> bool:
     """Whether this verl config's teachers are proctor's (a `proctor.target` is set)."""
-    return bool(_get(_get(config, "proctor"), "target"))
+    return bool(config_value(config_value(config, "proctor"), "target"))
 
 
 def verl_teacher_keys(config: Any) -> list[str]:
     """The routing keys verl gives its teachers, resolved as
     `DistillationConfig._resolve_teacher_models` does: one `teacher_model` entry → "default",
     several → each entry's `key`, the `teacher_model` placeholder dropped."""
-    models = _get(_get(config, "distillation"), "teacher_models") or {}
+    models = config_value(config_value(config, "distillation"), "teacher_models") or {}
     names = list(models.keys())
     if names == ["teacher_model"]:
         return ["default"]
@@ -214,7 +203,7 @@ def verl_teacher_keys(config: Any) -> list[str]:
     for name in names:
         if name == "teacher_model" and len(names) > 1:
             continue
-        key = _get(models[name], "key")
+        key = config_value(models[name], "key")
         if not key:
             raise ValueError(f"distillation.teacher_models.{name}.key must be set with several teachers")
         keys.append(str(key))
@@ -228,16 +217,16 @@ def make_teacher_clients(config: Any) -> dict[str, ProctorTeacherClient]:
     `max_concurrency`, `timeout`, `hidden_states`, and `teachers` (verl key → proctor teacher
     key; by default the verl key itself, and the server's only teacher for verl's "default").
     """
-    block = _get(config, "proctor")
-    target = _get(block, "target")
+    block = config_value(config, "proctor")
+    target = config_value(block, "target")
     if not target:
         raise ValueError("set proctor.target (e.g. +proctor.target=grpc://teacher-host:50051) to use proctor teachers")
-    mapping = dict(_get(block, "teachers") or {})
+    mapping = dict(config_value(block, "teachers") or {})
     options = {
-        "token_env": _get(block, "token_env", DEFAULT_TOKEN_ENV),
-        "max_concurrency": int(_get(block, "max_concurrency", 64)),
-        "timeout": _get(block, "timeout", 600.0),
-        "hidden_states": bool(_get(block, "hidden_states", False)),
+        "token_env": config_value(block, "token_env", DEFAULT_TOKEN_ENV),
+        "max_concurrency": int(config_value(block, "max_concurrency", 64)),
+        "timeout": config_value(block, "timeout", 600.0),
+        "hidden_states": bool(config_value(block, "hidden_states", False)),
     }
     clients = {}
     for key in verl_teacher_keys(config):

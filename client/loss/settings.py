@@ -103,8 +103,8 @@ class LossSettings(LossFamilies):
         if isinstance(config, LossSettings):
             config.validate()
             return config
-        block = _get(config, "distillation_loss", None)
-        if block is not None and _get(config, "loss_mode", None) is None:
+        block = config_value(config, "distillation_loss", None)
+        if block is not None and config_value(config, "loss_mode", None) is None:
             config = block
         names = {f.name for f in fields(cls)}
         values: dict[str, Any] = {}
@@ -126,10 +126,14 @@ class LossSettings(LossFamilies):
         return settings
 
 
-def _get(config: Any, key: str, default: Any) -> Any:
-    if isinstance(config, Mapping) or hasattr(config, "keys"):
+def config_value(node: Any, key: str, default: Any = None) -> Any:
+    """`node[key]` for a trainer's config in any of its shapes (dict, OmegaConf DictConfig,
+    dataclass or plain object, None), `default` where it has no such key."""
+    if node is None:
+        return default
+    if isinstance(node, Mapping) or hasattr(node, "keys"):
         try:
-            return config.get(key, default)
+            return node.get(key, default)
         except (TypeError, AttributeError):
             return default
-    return getattr(config, key, default)
+    return getattr(node, key, default)

@@ -252,6 +252,13 @@ def describe_fault(exc: BaseException) -> str:
 Outcome = Union["EngineResult", RequestRejected, RequestAborted, RequestFailed, EngineError]
 
 
+def started_info(info: EngineInfo | None, who: str = "engine") -> EngineInfo:
+    """An engine's `describe()`: its EngineInfo once started; before that an EngineError."""
+    if info is None:
+        raise EngineError(f"{who} not started")
+    return info
+
+
 class TeacherEngine(abc.ABC):
     """A loaded teacher model that scores batches of sequences."""
 

@@ -17,11 +17,11 @@ stands alone (`batch_isolation`), so its batch-mates are answered.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
 
+from proctor.server.background import cancel_and_wait
 from proctor.server.engines.base import EngineRequest, EngineResult, TeacherEngine
 from proctor.server.front.batch_isolation import score_isolating
 from proctor.server.metrics import NULL_SINK, MetricsSink
@@ -59,11 +59,8 @@ class Batcher:
             self._task = asyncio.get_running_loop().create_task(self._loop(), name="proctor-batcher")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         for pending in self._queue:
             if not pending.future.done():
                 pending.future.cancel()

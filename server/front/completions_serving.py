@@ -91,7 +91,7 @@ class _Scored:
     """A completions call scored: what its answer is made of."""
 
     ask: CompletionBody
-    teacher: ReplicaSet
+    teacher_set: ReplicaSet
     tokenizer: Any
     prompts: list[list[int]]
     scored: list[ScoredRequest]
@@ -131,17 +131,17 @@ class CompletionsServing:
         if call.ask.echo and call.tokenizer is not None:
             echo = call.tokenizer.decode
         large = self.responses.completion_is_large(call.prompts, call.ask.topk) or echo is not None
-        text = self.tokenizers.token_text(call.teacher, call.tokenizer)
-        payload = await off_loop_if(large, partial(self.responses.completion, model=call.ask.model or call.teacher.keys[0],
+        text = self.tokenizers.token_text(call.teacher_set, call.tokenizer)
+        payload = await off_loop_if(large, partial(self.responses.completion, model=call.ask.model or call.teacher_set.keys[0],
                                                    echo=echo, text=text), call.prompts, call.scored)
         return Response(payload, media_type="application/json")
 
     async def _score(self, request: Request, raw: bytes) -> _Scored:
         large = len(raw) > INLINE_BODY_BYTES
         ask = await off_loop_if(large, _parse, raw)
-        teacher = self.service.route(_template(ask))
-        tokenizer = await self.tokenizers.tokenizer(teacher)
+        teacher_set = self.service.route(_template(ask))
+        tokenizer = await self.tokenizers.tokenizer(teacher_set)
         texts = any(isinstance(prompt, str) for prompt in ask.prompts)
-        built = await off_loop_if(large or texts, build_requests, ask, teacher.name, tokenizer)
+        built = await off_loop_if(large or texts, build_requests, ask, teacher_set.name, tokenizer)
         scored = await score_all(self.service, built.messages, request_timeout(request))
-        return _Scored(ask, teacher, tokenizer, built.prompts, scored)
+        return _Scored(ask, teacher_set, tokenizer, built.prompts, scored)

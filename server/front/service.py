@@ -160,9 +160,9 @@ class ScoringService:
             valid = validate(teacher_set, request, max_answer_bytes=self.limits.max_answer_bytes if unary else None)
             valid = await decode(valid, self.limits.media)
             tokens = valid.request.num_tokens
-            admission = self._admit(valid.teacher, tokens)
+            admission = self._admit(valid.teacher_set, tokens)
             try:
-                result = await self._score_admitted(valid.teacher, valid.request, timeout)
+                result = await self._score_admitted(valid.teacher_set, valid.request, timeout)
             finally:
                 self._release(admission, tokens)
         except ScoringError as exc:
@@ -177,7 +177,7 @@ class ScoringService:
             raise ScoringError(Code.INTERNAL, f"scoring failed: {exc}") from exc
         self.metrics.request_scored(teacher_name, mode, tokens, latency=time.monotonic() - started,
                                     queue=result.queue_seconds, engine=result.engine_seconds)
-        return ScoredRequest(valid.request.request_id, teacher_name, valid.teacher.info.model, tokens, result, mode)
+        return ScoredRequest(valid.request.request_id, teacher_name, valid.teacher_set.info.model, tokens, result, mode)
 
     async def _score_admitted(
         self, teacher_set: ReplicaSet, request: EngineRequest, timeout: float | None

@@ -16,11 +16,11 @@ so the replica keeps those tasks and cancels the restart when it stops.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from dataclasses import dataclass
 
+from proctor.server.background import cancel_and_wait
 from proctor.server.engines.base import EngineRequest
 from proctor.server.front.replicas import Replica, ReplicaState
 from proctor.server.metrics import NULL_SINK, MetricsSink
@@ -132,11 +132,8 @@ class Supervisor:
 
     async def stop_sweeping(self) -> None:
         """Stop the periodic sweep (before the replicas stop, so it does not restart them)."""
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
-            self._sweeper = None
+        await cancel_and_wait(self._sweeper)
+        self._sweeper = None
 
     async def _sweep_forever(self, interval_s: float) -> None:
         while True:

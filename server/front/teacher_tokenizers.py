@@ -24,9 +24,9 @@ from proctor.server.front.routing import ReplicaSet
 log = logging.getLogger(__name__)
 
 
-def model_dir(teacher: ReplicaSet) -> Path | None:
+def model_dir(teacher_set: ReplicaSet) -> Path | None:
     """Where the teacher's tokenizer lives (None: the plan gave it none)."""
-    return Path(teacher.tokenizer_path) if teacher.tokenizer_path else None
+    return Path(teacher_set.tokenizer_path) if teacher_set.tokenizer_path else None
 
 
 def _load(path: Path | None) -> Any:
@@ -49,23 +49,23 @@ class Tokenizers:
         self._texts: dict[str, TokenText] = {}
         self._lock = threading.Lock()
 
-    def _get(self, teacher: ReplicaSet) -> Any:
+    def _get(self, teacher_set: ReplicaSet) -> Any:
         with self._lock:
-            if teacher.name not in self._loaded:
-                self._loaded[teacher.name] = _load(model_dir(teacher))
-            return self._loaded[teacher.name]
+            if teacher_set.name not in self._loaded:
+                self._loaded[teacher_set.name] = _load(model_dir(teacher_set))
+            return self._loaded[teacher_set.name]
 
-    async def tokenizer(self, teacher: ReplicaSet) -> Any:
+    async def tokenizer(self, teacher_set: ReplicaSet) -> Any:
         """The teacher's tokenizer or None; its first load runs in a worker thread."""
-        if teacher.name in self._loaded:
-            return self._loaded[teacher.name]
-        return await asyncio.to_thread(self._get, teacher)
+        if teacher_set.name in self._loaded:
+            return self._loaded[teacher_set.name]
+        return await asyncio.to_thread(self._get, teacher_set)
 
-    def token_text(self, teacher: ReplicaSet, tokenizer: Any) -> TokenText:
+    def token_text(self, teacher_set: ReplicaSet, tokenizer: Any) -> TokenText:
         """The teacher's `decoded_token` table: each id decoded alone, as vLLM reports it ("" without
         a tokenizer)."""
-        text = self._texts.get(teacher.name)
+        text = self._texts.get(teacher_set.name)
         if text is None:
-            text = self._texts[teacher.name] = TokenText(
+            text = self._texts[teacher_set.name] = TokenText(
                 lambda token: tokenizer.decode([token]) if tokenizer is not None else "")
         return text

@@ -29,7 +29,7 @@ from proctor.server.media import MediaLimits, decode_media
 class ValidRequest:
     """A request every check has passed: the teacher that scores it and what to score."""
 
-    teacher: ReplicaSet
+    teacher_set: ReplicaSet
     request: EngineRequest
     mode: str  # metrics label: what was asked for, e.g. "logprobs+topk"
 
@@ -42,20 +42,20 @@ def request_mode(request: scoring_pb2.ScoreRequest) -> str:
     return "+".join(parts) or "none"
 
 
-def validate(teacher: ReplicaSet, request: scoring_pb2.ScoreRequest, *, max_answer_bytes: int | None) -> ValidRequest:
+def validate(teacher_set: ReplicaSet, request: scoring_pb2.ScoreRequest, *, max_answer_bytes: int | None) -> ValidRequest:
     """Check a request once against the teacher it was routed to; `max_answer_bytes` bounds a
     unary answer (None: a streamed one)."""
-    info = teacher.info
-    ids = _token_ids(request, info, teacher.name)
+    info = teacher_set.info
+    ids = _token_ids(request, info, teacher_set.name)
     first_row = _first_row(request, len(ids))
-    _check_outputs(request, info, teacher.name)
-    score_ids = _score_ids(request, info, teacher.name, first_row, len(ids))
+    _check_outputs(request, info, teacher_set.name)
+    score_ids = _score_ids(request, info, teacher_set.name, first_row, len(ids))
     if max_answer_bytes is not None and request.hidden_states:
         size = (len(ids) - first_row) * info.hidden_size * 4
         if size > max_answer_bytes:
             raise invalid("hidden_states", f"about {size >> 20} MiB of hidden states do not fit one message; "
                           "stream them (gRPC ScoreStream, HTTP /v1/score/stream)")
-    media = _media_inputs(request, info, teacher.name)
+    media = _media_inputs(request, info, teacher_set.name)
     engine_request = EngineRequest(
         request_id=request.request_id or uuid.uuid4().hex,
         token_ids=torch.from_numpy(ids),
@@ -63,11 +63,11 @@ def validate(teacher: ReplicaSet, request: scoring_pb2.ScoreRequest, *, max_answ
         logprobs=request.logprobs,
         topk=request.topk,
         hidden_states=request.hidden_states,
-        temperature=_temperature(request, info, teacher.name),
+        temperature=_temperature(request, info, teacher_set.name),
         media=media if media else None,
         score_ids=score_ids,
     )
-    return ValidRequest(teacher, engine_request, request_mode(request))
+    return ValidRequest(teacher_set, engine_request, request_mode(request))
 
 
 async def decode(valid: ValidRequest, limits: MediaLimits) -> ValidRequest:

@@ -43,6 +43,7 @@ from proctor.server.engines.base import (
     EngineSpec,
     Outcome,
     TeacherEngine,
+    started_info,
 )
 from proctor.server.pool import VISIBLE_DEVICES_ENV
 from proctor.server.worker import messages
@@ -265,9 +266,7 @@ class WorkerClient(TeacherEngine):
 
     # -- protocol --------------------------------------------------------------------------
     def describe(self) -> EngineInfo:
-        if self._info is None:
-            raise EngineError(f"{self.name}: engine not started")
-        return self._info
+        return started_info(self._info, f"{self.name}: engine")
 
     def token_budget(self) -> int:
         return self._budget

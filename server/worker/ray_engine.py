@@ -26,6 +26,7 @@ from proctor.server.engines.base import (
     EngineSpec,
     Outcome,
     TeacherEngine,
+    started_info,
 )
 from proctor.server.worker.ray_worker import EngineActor
 
@@ -129,9 +130,7 @@ class RayEngine(TeacherEngine):
             ray.kill(actor, no_restart=True)
 
     def describe(self) -> EngineInfo:
-        if self._info is None:
-            raise EngineError("engine not started")
-        return self._info
+        return started_info(self._info)
 
     def token_budget(self) -> int:
         return self._budget

@@ -29,6 +29,7 @@ from proctor.server.engines.base import (
     RequestRejected,
     TeacherEngine,
     serving_dtype,
+    started_info,
 )
 from proctor.server.engines.logit_transforms import LogitTransforms, logit_transforms
 from proctor.server.engines.multimodal import check_counts
@@ -141,9 +142,7 @@ class TorchEngine(TeacherEngine):
 
     # -- protocol --------------------------------------------------------------------------
     def describe(self) -> EngineInfo:
-        if self._info is None:
-            raise EngineError("engine not started")
-        return self._info
+        return started_info(self._info)
 
     def token_budget(self) -> int:
         return self._budget

@@ -32,6 +32,7 @@ from proctor.server.engines.base import (
     RequestRejected,
     TeacherEngine,
     serving_dtype,
+    started_info,
 )
 from proctor.server.engines.checkpoint import (
     checkpoint_text_config,
@@ -157,9 +158,7 @@ class VllmFamilyEngine(TeacherEngine):
 
     # -- protocol --------------------------------------------------------------------------
     def describe(self) -> EngineInfo:
-        if self._info is None:
-            raise EngineError(f"{self.engine_name} engine not started")
-        return self._info
+        return started_info(self._info, f"{self.engine_name} engine")
 
     def token_budget(self) -> int:
         return int(self.settings.get("max_num_batched_tokens") or DEFAULT_TOKEN_BUDGET)
