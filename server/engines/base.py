@@ -48,10 +48,8 @@ class MediaItem:
 class MultiModalInputs:
     """Media attached to a sequence; engines that take none refuse a non-empty one.
 
-    `decoded` is filled by the service before admission (`proctor.server.media.decode_media`,
-    off the event loop, with size and frame limits): vLLM's `multi_modal_data` form
-    (`{"image": [PIL.Image, ...], "audio": [(waveform, rate), ...], "video": [...]}`), so an
-    undecodable item is refused before it reaches a replica and no engine decodes bytes itself.
+    `decoded` is filled by the service before admission (`media.decode_media`, off the event loop,
+    bounded) in vLLM's `multi_modal_data` form, so no engine decodes bytes itself.
     """
 
     images: tuple[MediaItem, ...] = ()
@@ -114,11 +112,9 @@ class EngineResult:
     # engines that know it, beside logprobs: what vLLM-shaped answers report as `rank`.
     ranks: torch.Tensor | None = None
     score_logprobs: torch.Tensor | None = None  # float32 [R, K], -inf at padded score_ids
-    # Prefix tokens this request did not recompute because an earlier request shared them (0: it
-    # was computed whole; None: reuse did not apply to it). The replica reports it to the metrics.
+    # Prefix tokens not recomputed, shared with an earlier request (0: computed whole; None: reuse
+    # did not apply), and token positions the engine ran for it (its own count; None: not known).
     prompt_reused_tokens: int | None = None
-    # Token positions the engine actually ran through the model for this request (its own count:
-    # the torch engine's fed positions, the vLLM pooler's scheduled positions; None: not known).
     computed_tokens: int | None = None
     # Set by the batcher: time spent waiting for a batch, and the batch's engine time.
     queue_seconds: float = 0.0

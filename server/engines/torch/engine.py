@@ -41,9 +41,9 @@ from proctor.server.engines.torch.prefix import (
     ReusePlan,
     TorchPrefix,
     batch_cache,
-    reuse_works,
     supports_prompt_cache,
 )
+from proctor.server.engines.torch.reuse_probe import reuse_works
 from proctor.server.fingerprint import model_fingerprint
 from proctor.server.prompt_reuse import ReuseSettings
 
