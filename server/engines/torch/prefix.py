@@ -153,7 +153,8 @@ class TorchPrefix:
         for shared, source in sources:
             copy_end = _source_rows(source, plan, batch).copyable_end(request, shared)
             past = copy_end if copy_end >= request.first_row else min(request.first_row - 1, shared)
-            if past >= least and (best is None or past > best.past):
+            # the last shared position is recomputed when the rows before it are copied: hence least - 1
+            if past >= least - 1 and past > 0 and (best is None or past > best.past):
                 best = Follower(index, source, shared, copy_end, past)
         return best
 
