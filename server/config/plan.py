@@ -245,6 +245,10 @@ def resolve_plan(config: ProctorConfig, *, files_must_exist: bool = True) -> Ser
     ):
         if path and not Path(path).is_file():
             (problems if files_must_exist else notes).append(f"{label}: {path} is not a readable file here")
+    for key, path in server.student_tokenizers.items():
+        if not Path(path).is_dir():
+            (problems if files_must_exist else notes).append(
+                f"server.student_tokenizers.{key}: {path} is not a tokenizer directory here")
     demands = [
         TeacherDemand(
             name=t.name,
