@@ -81,7 +81,7 @@ def _check_alignment(data: bytes, student_ids: np.ndarray, tables, rng: np.rando
 
 
 def test_1000_random_texts_align_exactly(tokenizers):
-    teacher, student, teacher_table, student_table = tokenizers
+    _, student, teacher_table, student_table = tokenizers
     rng = random.Random(26)
     numbers = np.random.default_rng(26)
     split_characters = 0
