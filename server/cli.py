@@ -260,12 +260,16 @@ def check_config(config: Path = typer.Argument(..., help="YAML config to check."
 @app.command()
 def demo(
     steps: int = typer.Option(30, help="Training steps."),
-    loss: str = typer.Option("full_forward_kl", help="k1 | k3 | forward_kl_topk | full_forward_kl | full_reverse_kl | full_jsd | student_topk_reverse_kl"),
+    loss: str | None = typer.Option(None, help="k1 | k3 | forward_kl_topk | full_forward_kl (the default) | full_reverse_kl | "
+                                    "full_jsd | student_topk_reverse_kl; with --cross-tokenizer: gold_hybrid (the "
+                                    "default) | chunk_likelihood"),
     transport: str = typer.Option("grpc", help="grpc | http"),
     out: Path = typer.Option(Path("out"), help="Folder for the loss plot and log."),
     seed: int = typer.Option(0),
     teacher: str = typer.Option("text", help="text (the tiny teacher) | omni (a tiny Qwen2.5-Omni Thinker: "
                                 "prompts with an image and an audio clip)"),
+    cross_tokenizer: bool = typer.Option(False, help="Distil a tiny student with another tokenizer (other merges "
+                                         "and vocabulary) through aligned requests."),
 ) -> None:
     """On-policy distillation on the CPU: a noisy student learns from the tiny teacher.
 
@@ -275,6 +279,9 @@ def demo(
     from proctor.server.quickstart import print_quickstart, tiny_teacher
     from proctor.trainer_adapter.demo import option_error, run_demo
 
+    if cross_tokenizer:
+        _cross_tokenizer_demo(steps=steps, loss=loss, transport=transport, out=out, seed=seed, teacher=teacher)
+    loss = loss or "full_forward_kl"
     problem = option_error(steps=steps, loss=loss, transport=transport, teacher=teacher)
     if problem:  # before a server is started for nothing
         typer.echo(f"proctor demo: {problem}", err=True)
@@ -285,6 +292,25 @@ def demo(
         targets = {"grpc": f"grpc://{server.grpc_target}", "http": server.http_url}
         code = run_demo(targets, model_dir, steps=steps, loss=loss, transport=transport, out=out, seed=seed,
                         teacher=teacher)
+    raise typer.Exit(code)
+
+
+def _cross_tokenizer_demo(*, steps: int, loss: str | None, transport: str, out: Path, seed: int, teacher: str) -> None:
+    """`proctor demo --cross-tokenizer`: the tiny teacher serves aligned requests for the tiny
+    student's tokenizer; the student (client side only) distils through them. Exits."""
+    from proctor.server.quickstart import tiny_teacher
+    from proctor.server.tiny_model import ensure_tiny_student
+    from proctor.trainer_adapter.cross_tokenizer_demo import cross_option_error, run_cross_tokenizer_demo
+
+    loss = loss or "gold_hybrid"
+    problem = cross_option_error(steps=steps, loss=loss, transport=transport, teacher=teacher)
+    if problem:
+        typer.echo(f"proctor demo: {problem}", err=True)
+        raise typer.Exit(2)
+    student = ensure_tiny_student()
+    with tiny_teacher(student_tokenizers={"tiny-student": str(student)}) as (server, _):
+        target = f"grpc://{server.grpc_target}" if transport == "grpc" else server.http_url
+        code = run_cross_tokenizer_demo(target, student, "tiny-student", steps=steps, loss=loss, out=out, seed=seed)
     raise typer.Exit(code)
 
 
