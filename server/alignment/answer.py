@@ -58,17 +58,17 @@ def _topk(chunks: Chunks, vocab_map: np.ndarray, teacher_ids: np.ndarray, teache
     single = chunks.one_to_one()
     student_rows = chunks.student_stops[single] - 1  # each 1:1 chunk's one student token
     teacher_rows = chunks.teacher_stops[single] - 1  # and its one teacher token
-    top = teacher_ids[teacher_rows]
-    known = top < len(vocab_map)  # a model may have more rows than its tokenizer has ids
-    mapped = np.where(known, vocab_map[np.where(known, top, 0)], -1)
+    # A model may have more rows than its tokenizer has ids: those (and only those) read the -1 past the map.
+    extended = np.append(vocab_map.astype(np.int32), np.int32(-1))
+    mapped = extended[np.minimum(teacher_ids[teacher_rows], len(vocab_map))]
     found = mapped >= 0
-    ids[student_rows] = np.where(found, mapped, -1)
-    logprobs[student_rows] = np.where(found, teacher_logprobs[teacher_rows], -np.inf)
+    top = teacher_logprobs[teacher_rows]
+    ids[student_rows] = mapped
+    logprobs[student_rows] = np.where(found, top, np.float32(-np.inf))
     # At a 1:1 row, the mass of the teacher ids without a student id; elsewhere undefined (NaN).
-    mass = np.full(rows, np.nan, dtype=np.float64)
-    probs = np.exp(teacher_logprobs[teacher_rows].astype(np.float64))
-    mass[student_rows] = probs.sum(axis=1) - np.where(found, probs, 0.0).sum(axis=1)
-    return ids, logprobs, np.clip(mass, 0.0, None).astype(np.float32)  # rounding: never below 0
+    mass = np.full(rows, np.nan, dtype=np.float32)
+    mass[student_rows] = (np.exp(top) * ~found).sum(axis=1)
+    return ids, logprobs, mass
 
 
 def align_answer(chunks: Chunks, *, first_row: int, teacher_sequence: np.ndarray, teacher_first_row: int,

@@ -62,6 +62,8 @@ class TokenBytes:
     lengths: np.ndarray  # int64 [V]
     byte_ids: np.ndarray  # int64 [256]: the id of each single byte's own token (-1: none)
     backend: Any  # the `tokenizers.Tokenizer` that tokenizes text for this vocabulary
+    flat: np.ndarray  # uint8: every id's bytes one after another
+    offsets: np.ndarray  # int64 [V]: where id i's bytes start in `flat`
 
     @classmethod
     def of(cls, tokenizer: Any) -> TokenBytes:
@@ -91,16 +93,21 @@ class TokenBytes:
             if len(piece) == 1 and not special[index] and byte_ids[piece[0]] < 0:
                 byte_ids[piece[0]] = index
         lengths = np.fromiter((len(p) for p in pieces), dtype=np.int64, count=size)
-        return cls(tuple(pieces), special, lengths, byte_ids, backend)
+        flat = np.frombuffer(b"".join(pieces), dtype=np.uint8)
+        offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        return cls(tuple(pieces), special, lengths, byte_ids, backend, flat, offsets)
 
     @property
     def size(self) -> int:
         return len(self.pieces)
 
     def decode(self, ids: np.ndarray) -> bytes:
-        """The exact bytes of `ids` (each known to be in range)."""
-        pieces = self.pieces
-        return b"".join([pieces[i] for i in ids.tolist()])
+        """The exact bytes of `ids` (each known to be in range), gathered in one numpy pass."""
+        lengths = self.lengths[ids]
+        ends = np.cumsum(lengths)
+        # Byte j of the output is byte (j - start of its token in the output) of its token's piece.
+        shift = np.repeat(self.offsets[ids] - (ends - lengths), lengths)
+        return self.flat[shift + np.arange(len(shift))].tobytes()
 
     def encode(self, data: bytes) -> np.ndarray:
         """`data` tokenized as this tokenizer tokenizes text (special tokens recognised): its valid
@@ -120,7 +127,7 @@ class TokenBytes:
             start = bad.end()
         if start < len(text):
             parts.append(self.encode_text(text[start:]))
-        ids = np.fromiter((i for part in parts for i in part), dtype=np.int64)
+        ids = np.concatenate([np.asarray(part, dtype=np.int64) for part in parts]) if parts else np.zeros(0, np.int64)
         if self.decode(ids) != data:
             raise ValueError("the tokenizer does not spell the text back byte for byte (its normalizer changes it)")
         return ids
