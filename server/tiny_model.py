@@ -50,12 +50,14 @@ User: what is 12 times 7? Assistant: it is 84, since 12 * 7 = 84.
 """
 
 
-def build_tokenizer(vocab_size: int, extra_special: dict[str, str] | None = None, *, student: bool = False):
+def build_tokenizer(vocab_size: int, extra_special: dict[str, str] | None = None, *, student: bool = False,
+                    chat_template: str | None = None):
     """A byte-level BPE tokenizer trained on the built-in corpus (deterministic); `extra_special`
     names a model family's own special tokens (its media placeholders, `{"image_token":
     "<|image_pad|>", ...}`, attributes that its processor reads), given ids after the base three.
     `student`: the tiny student's tokenizer instead, byte-level too but trained on other text with
-    digits split one by one (other merges, another vocabulary), for cross-tokenizer distillation."""
+    digits split one by one (other merges, another vocabulary), for cross-tokenizer distillation;
+    `chat_template`: the tokenizer's (`CHAT_TEMPLATE` for the tiny text models)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -78,6 +80,7 @@ def build_tokenizer(vocab_size: int, extra_special: dict[str, str] | None = None
         eos_token="<|endoftext|>",
         pad_token="<|endoftext|>",
         bos_token=None,
+        chat_template=chat_template,
         **({"extra_special_tokens": extra_special} if extra_special else {}),
     )
 
@@ -100,16 +103,15 @@ def make_tiny_model(
     """Write a tiny causal LM (config, safetensors weights, tokenizer with `CHAT_TEMPLATE`) to
     out_dir: a Qwen2, or with `family` one whose logits are not lm_head(h) alone (`FAMILIES`:
     Gemma-2's final soft-cap, Granite's logit scaling), for checking that engines score with the
-    model's own logits, or a GPT-2 (another architecture's names for its weights).
-    `student_tokenizer`: with the tiny student's tokenizer (`build_tokenizer(student=True)`)."""
+    model's own logits, or a GPT-2 (another architecture's names for its weights); with the tiny
+    student's tokenizer (`build_tokenizer(student=True)`) when `student_tokenizer`."""
     from transformers import AutoModelForCausalLM
 
     if family not in FAMILIES:
         raise ValueError(f"family must be one of {', '.join(FAMILIES)}, got {family!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(vocab_size, student=student_tokenizer)
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer = build_tokenizer(vocab_size, student=student_tokenizer, chat_template=CHAT_TEMPLATE)
     config_class, extra = _family_config(family)
     tie_word_embeddings = tie_word_embeddings or family in ("gemma2", "gpt2")
     config = config_class(
