@@ -238,6 +238,16 @@ async def test_the_client_raises_invalid_argument_naming_the_field(server, trans
     assert request_count(server, "invalid_argument") > 0
 
 
+def test_score_stream_answers_an_aligned_request_in_one_chunk(server):
+    channel = grpc.insecure_channel(server.grpc_target)
+    chunks = list(scoring_pb2_grpc.TeacherScoringStub(channel).ScoreStream(_message(GOOD)))
+    unary = scoring_pb2_grpc.TeacherScoringStub(channel).Score(_message(GOOD))
+    channel.close()
+    assert len(chunks) == 1 and chunks[0].last
+    assert chunks[0].response.aligned.chunk_logprobs == unary.aligned.chunk_logprobs
+    assert chunks[0].response.aligned.teacher.logprobs == unary.aligned.teacher.logprobs
+
+
 def test_a_malformed_messages_list_is_refused_in_json(server):
     reply = httpx.post(server.http_url + "/v1/score", json=_body({"teacher_prompt_ids": None,
                                                                    "messages": [{"role": "user"}]}), timeout=30)
