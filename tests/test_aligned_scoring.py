@@ -263,3 +263,20 @@ def test_a_student_tokenizer_that_cannot_be_loaded_stops_serve(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 1
     assert "cannot serve: student tokenizer 'broken'" in done.stderr and "not a directory" in done.stderr
+
+
+def test_a_configs_student_tokenizers_become_server_options_and_missing_ones_are_named(tmp_path, tiny_model_dir,
+                                                                                       tiny_student_dir):
+    from proctor.server.config import ConfigError, load_server_config
+
+    from support.configs import cpu_config, torch_teacher, write_config
+
+    server = {"student_tokenizers": {"student": str(tiny_student_dir)}}
+    doc = cpu_config({"t": torch_teacher(tiny_model_dir)}, devices=1, server=server)
+    _, options = load_server_config(write_config(tmp_path, doc))
+    assert options.student_tokenizers == {"student": str(tiny_student_dir)}
+    doc = cpu_config({"t": torch_teacher(tiny_model_dir)}, devices=1,
+                     server={"student_tokenizers": {"gone": str(tmp_path / "gone")}})
+    with pytest.raises(ConfigError) as err:
+        load_server_config(write_config(tmp_path, doc))
+    assert err.value.problems[0].startswith("server.student_tokenizers.gone: ")
