@@ -5,6 +5,7 @@
 `proctor.client.loss` holds the distillation losses. Imports only `proctor.proto`.
 """
 
+from proctor.client.aligned import AlignedBatch, AlignedScores, pack_aligned
 from proctor.client.client import RequestFields, ScoreInput, TeacherClient, TeacherInfo, TeacherScores
 from proctor.client.retry import NO_RETRY, RetryPolicy
 from proctor.client.sync import SyncTeacherClient
@@ -23,6 +24,8 @@ from proctor.client.transports import (
 
 __all__ = [
     "NO_RETRY",
+    "AlignedBatch",
+    "AlignedScores",
     "DeadlineExceeded",
     "InvalidArgument",
     "Media",
@@ -40,4 +43,5 @@ __all__ = [
     "Unauthenticated",
     "Unavailable",
     "UnembeddingMismatch",
+    "pack_aligned",
 ]

@@ -19,6 +19,7 @@ from typing import Any, TypedDict, Unpack
 
 import torch
 
+from proctor.client.aligned import AlignedScores, StudentTokenizer, aligned_from_response
 from proctor.client.retry import Deadline, RetryPolicy, call_with_retries
 from proctor.client.transports import (
     MediaLike,
@@ -80,6 +81,9 @@ class TeacherInfo:
     media: tuple[str, ...]
     replicas: tuple[tuple[str, str], ...] = ()  # (replica_id, state)
     score_ids_method: str = ""  # how score_ids are scored; "" when not served
+    # Student tokenizer key -> the teacher ids of its exact-match map (aligned requests).
+    aligned_vocabularies: tuple[tuple[str, int], ...] = ()
+    chat_template: bool = False  # whether aligned requests may send messages
 
     @classmethod
     def from_wire(cls, info: scoring_pb2.TeacherInfo) -> TeacherInfo:
@@ -89,6 +93,8 @@ class TeacherInfo:
             outputs=tuple(info.outputs), keys=tuple(info.keys), engine=info.engine, dtype=dtype_name(info.dtype),
             media=tuple(info.media), replicas=tuple((r.replica_id, r.state) for r in info.replicas),
             score_ids_method=info.score_ids_method,
+            aligned_vocabularies=tuple((v.student_tokenizer, v.exact_matches) for v in info.aligned_vocabularies),
+            chat_template=info.chat_template,
         )
 
 
@@ -123,13 +129,36 @@ def scores_from_response(response: scoring_pb2.ScoreResponse | scoring_pb2.Score
     return scores
 
 
-def _token_list(token_ids: Sequence[int] | torch.Tensor) -> list[int]:
+def answer_from_response(response: scoring_pb2.ScoreResponse) -> TeacherScores | AlignedScores:
+    """A unary answer: `AlignedScores` for an aligned request, else `TeacherScores`."""
+    if response.HasField("aligned"):
+        return aligned_from_response(response, scores_from_response(response.aligned.teacher))
+    return scores_from_response(response)
+
+
+def _token_list(token_ids: Sequence[int] | torch.Tensor, field: str = "token_ids") -> list[int]:
     if isinstance(token_ids, torch.Tensor):
         if token_ids.dim() != 1:
-            raise make_error("INVALID_ARGUMENT", f"token_ids: must be 1-D, got shape {tuple(token_ids.shape)}",
-                             field="token_ids")
+            raise make_error("INVALID_ARGUMENT", f"{field}: must be 1-D, got shape {tuple(token_ids.shape)}",
+                             field=field)
         return token_ids.tolist()
     return [int(t) for t in token_ids]
+
+
+def _given(ids: Sequence[int] | torch.Tensor | None) -> Sequence[int] | torch.Tensor:
+    return [] if ids is None else ids
+
+
+def _messages(messages: Iterable[Mapping[str, str]] | None) -> list[scoring_pb2.AlignedMessage]:
+    """A conversation of {"role", "content"} mappings as the wire's messages."""
+    out = []
+    for index, message in enumerate(messages or ()):
+        try:
+            out.append(scoring_pb2.AlignedMessage(role=message["role"], content=message["content"]))
+        except (KeyError, TypeError) as exc:
+            raise make_error("INVALID_ARGUMENT", f"messages[{index}]: give a mapping with a string role and content "
+                             f"({exc!r})", field=f"messages[{index}]") from None
+    return out
 
 
 # Token ids to score per row: int [R, K] (-1 pads) or R lists of ids (ragged rows are padded).
@@ -144,6 +173,12 @@ class RequestFields(TypedDict, total=False):
     images / videos / audios and `mm_processor_kwargs` carry a multimodal prompt; `score_ids`
     ([R, K], -1 pads) asks for the teacher's log-probs at those ids; `temperature` divides the
     teacher's logits (None: 1); `request_id` defaults to a fresh uuid.
+
+    A student with another tokenizer names one of the server's student tokenizers
+    (`student_tokenizer`; then the ids and `prompt_length` are the student's) and gives the
+    teacher's prompt, as teacher ids (`teacher_prompt_ids`) or as a conversation for the
+    teacher's chat template (`messages`: {"role", "content"} mappings): the answer is then
+    `AlignedScores`, in the student's rows.
     """
 
     teacher_key: str | None
@@ -158,6 +193,9 @@ class RequestFields(TypedDict, total=False):
     request_id: str | None
     score_ids: ScoreIds | None
     temperature: float | None
+    student_tokenizer: str | None
+    teacher_prompt_ids: Sequence[int] | torch.Tensor | None
+    messages: Iterable[Mapping[str, str]] | None
 
 
 def score_ids_tensor(score_ids: ScoreIds, first_row: int) -> scoring_pb2.Tensor:
@@ -288,6 +326,9 @@ class TeacherClient:
             videos=to_wire_media(fields.get("videos"), "videos"),
             audios=to_wire_media(fields.get("audios"), "audios"),
             mm_processor_kwargs=processor_kwargs_json(fields.get("mm_processor_kwargs")),
+            student_tokenizer=fields.get("student_tokenizer") or "",
+            teacher_prompt_ids=_token_list(_given(fields.get("teacher_prompt_ids")), "teacher_prompt_ids"),
+            messages=_messages(fields.get("messages")),
         )
         prompt_length = fields.get("prompt_length")
         if prompt_length is not None:
@@ -305,19 +346,21 @@ class TeacherClient:
         *,
         timeout: float | None = None,
         **fields: Unpack[RequestFields],
-    ) -> TeacherScores:
+    ) -> TeacherScores | AlignedScores:
         """Score one sequence (`fields`: `RequestFields`). Hidden states travel by ScoreStream on
         gRPC (no message limit).
 
         With `score_ids` ([R, K] ids for rows first_row..T-1, -1 padding) the answer's
-        `score_logprobs` holds the teacher's full-vocabulary log-probs at those ids.
+        `score_logprobs` holds the teacher's full-vocabulary log-probs at those ids. With
+        `student_tokenizer` (and `teacher_prompt_ids` or `messages`) it is `AlignedScores`: the
+        teacher's scores of its own tokenization, aligned to the student's rows.
         """
         request = self.build_request(token_ids, **fields)
         if request.hidden_states:
             return await self._stream_request(request, timeout)
 
         async def attempt(transport: Transport, remaining: float | None):
-            return scores_from_response(await transport.score(request, remaining))
+            return answer_from_response(await transport.score(request, remaining))
 
         return await self._call(attempt, timeout, f"score {request.request_id}")
 
@@ -380,6 +423,15 @@ class TeacherClient:
         response = await self._call(attempt, timeout, "ListTeachers")
         self._teachers = {info.name: TeacherInfo.from_wire(info) for info in response.teachers}
         return self._teachers
+
+    async def student_tokenizers(self, *, timeout: float | None = None) -> dict[str, StudentTokenizer]:
+        """The server's student tokenizers by key (what aligned requests may name)."""
+
+        async def attempt(transport: Transport, remaining: float | None):
+            return await transport.list_teachers(remaining)
+
+        response = await self._call(attempt, timeout, "ListTeachers")
+        return {s.key: StudentTokenizer(s.key, s.vocab_size, s.fingerprint) for s in response.student_tokenizers}
 
     async def routing_table(self) -> dict[str, str]:
         """key → teacher name, as the server routes (each teacher's name and keys)."""

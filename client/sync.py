@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from proctor.client.aligned import AlignedScores
 from proctor.client.client import ScoreInput, TeacherClient, TeacherInfo, TeacherScores
 
 
@@ -29,7 +30,7 @@ class SyncTeacherClient:
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
-    def score(self, token_ids: Sequence[int] | torch.Tensor, **kwargs: Any) -> TeacherScores:
+    def score(self, token_ids: Sequence[int] | torch.Tensor, **kwargs: Any) -> TeacherScores | AlignedScores:
         return self._run(self.client.score(token_ids, **kwargs))
 
     def score_many(self, sequences: Iterable[Sequence[int] | torch.Tensor | ScoreInput], **kwargs: Any):

@@ -58,7 +58,7 @@ class Media(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., media_type: _Optional[str] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("request_id", "teacher_key", "token_ids", "prompt_length", "logprobs", "topk", "hidden_states", "images", "videos", "audios", "mm_processor_kwargs", "temperature", "score_ids")
+    __slots__ = ("request_id", "teacher_key", "token_ids", "prompt_length", "logprobs", "topk", "hidden_states", "images", "videos", "audios", "mm_processor_kwargs", "temperature", "score_ids", "student_tokenizer", "teacher_prompt_ids", "messages")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEACHER_KEY_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +72,9 @@ class ScoreRequest(_message.Message):
     MM_PROCESSOR_KWARGS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     SCORE_IDS_FIELD_NUMBER: _ClassVar[int]
+    STUDENT_TOKENIZER_FIELD_NUMBER: _ClassVar[int]
+    TEACHER_PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     teacher_key: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -85,10 +88,41 @@ class ScoreRequest(_message.Message):
     mm_processor_kwargs: str
     temperature: float
     score_ids: Tensor
-    def __init__(self, request_id: _Optional[str] = ..., teacher_key: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., prompt_length: _Optional[int] = ..., logprobs: _Optional[bool] = ..., topk: _Optional[int] = ..., hidden_states: _Optional[bool] = ..., images: _Optional[_Iterable[_Union[Media, _Mapping]]] = ..., videos: _Optional[_Iterable[_Union[Media, _Mapping]]] = ..., audios: _Optional[_Iterable[_Union[Media, _Mapping]]] = ..., mm_processor_kwargs: _Optional[str] = ..., temperature: _Optional[float] = ..., score_ids: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    student_tokenizer: str
+    teacher_prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    messages: _containers.RepeatedCompositeFieldContainer[AlignedMessage]
+    def __init__(self, request_id: _Optional[str] = ..., teacher_key: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., prompt_length: _Optional[int] = ..., logprobs: _Optional[bool] = ..., topk: _Optional[int] = ..., hidden_states: _Optional[bool] = ..., images: _Optional[_Iterable[_Union[Media, _Mapping]]] = ..., videos: _Optional[_Iterable[_Union[Media, _Mapping]]] = ..., audios: _Optional[_Iterable[_Union[Media, _Mapping]]] = ..., mm_processor_kwargs: _Optional[str] = ..., temperature: _Optional[float] = ..., score_ids: _Optional[_Union[Tensor, _Mapping]] = ..., student_tokenizer: _Optional[str] = ..., teacher_prompt_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[AlignedMessage, _Mapping]]] = ...) -> None: ...
+
+class AlignedMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
+class AlignedScores(_message.Message):
+    __slots__ = ("chunk_ids", "chunk_logprobs", "topk_ids", "topk_logprobs", "unmapped_mass", "chunks", "teacher_ids", "teacher")
+    CHUNK_IDS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOPK_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOPK_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    UNMAPPED_MASS_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    TEACHER_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEACHER_FIELD_NUMBER: _ClassVar[int]
+    chunk_ids: Tensor
+    chunk_logprobs: Tensor
+    topk_ids: Tensor
+    topk_logprobs: Tensor
+    unmapped_mass: Tensor
+    chunks: Tensor
+    teacher_ids: Tensor
+    teacher: ScoreResponse
+    def __init__(self, chunk_ids: _Optional[_Union[Tensor, _Mapping]] = ..., chunk_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., topk_ids: _Optional[_Union[Tensor, _Mapping]] = ..., topk_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., unmapped_mass: _Optional[_Union[Tensor, _Mapping]] = ..., chunks: _Optional[_Union[Tensor, _Mapping]] = ..., teacher_ids: _Optional[_Union[Tensor, _Mapping]] = ..., teacher: _Optional[_Union[ScoreResponse, _Mapping]] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
-    __slots__ = ("request_id", "teacher", "model", "num_tokens", "first_row", "logprobs", "topk_ids", "topk_logprobs", "hidden_states", "score_logprobs")
+    __slots__ = ("request_id", "teacher", "model", "num_tokens", "first_row", "logprobs", "topk_ids", "topk_logprobs", "hidden_states", "score_logprobs", "aligned")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEACHER_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +133,7 @@ class ScoreResponse(_message.Message):
     TOPK_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     SCORE_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ALIGNED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     teacher: str
     model: str
@@ -109,7 +144,8 @@ class ScoreResponse(_message.Message):
     topk_logprobs: Tensor
     hidden_states: Tensor
     score_logprobs: Tensor
-    def __init__(self, request_id: _Optional[str] = ..., teacher: _Optional[str] = ..., model: _Optional[str] = ..., num_tokens: _Optional[int] = ..., first_row: _Optional[int] = ..., logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., topk_ids: _Optional[_Union[Tensor, _Mapping]] = ..., topk_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., score_logprobs: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    aligned: AlignedScores
+    def __init__(self, request_id: _Optional[str] = ..., teacher: _Optional[str] = ..., model: _Optional[str] = ..., num_tokens: _Optional[int] = ..., first_row: _Optional[int] = ..., logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., topk_ids: _Optional[_Union[Tensor, _Mapping]] = ..., topk_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., score_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., aligned: _Optional[_Union[AlignedScores, _Mapping]] = ...) -> None: ...
 
 class ScoreChunk(_message.Message):
     __slots__ = ("response", "last")
@@ -136,7 +172,7 @@ class ReplicaInfo(_message.Message):
     def __init__(self, replica_id: _Optional[str] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., devices: _Optional[_Iterable[str]] = ..., node: _Optional[str] = ...) -> None: ...
 
 class TeacherInfo(_message.Message):
-    __slots__ = ("name", "model", "fingerprint", "vocab_size", "hidden_size", "max_model_len", "max_topk", "outputs", "replicas", "engine", "dtype", "keys", "media", "score_ids_method")
+    __slots__ = ("name", "model", "fingerprint", "vocab_size", "hidden_size", "max_model_len", "max_topk", "outputs", "replicas", "engine", "dtype", "keys", "media", "score_ids_method", "aligned_vocabularies", "chat_template")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -151,6 +187,8 @@ class TeacherInfo(_message.Message):
     KEYS_FIELD_NUMBER: _ClassVar[int]
     MEDIA_FIELD_NUMBER: _ClassVar[int]
     SCORE_IDS_METHOD_FIELD_NUMBER: _ClassVar[int]
+    ALIGNED_VOCABULARIES_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     name: str
     model: str
     fingerprint: str
@@ -165,13 +203,37 @@ class TeacherInfo(_message.Message):
     keys: _containers.RepeatedScalarFieldContainer[str]
     media: _containers.RepeatedScalarFieldContainer[str]
     score_ids_method: str
-    def __init__(self, name: _Optional[str] = ..., model: _Optional[str] = ..., fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_topk: _Optional[int] = ..., outputs: _Optional[_Iterable[str]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., engine: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., keys: _Optional[_Iterable[str]] = ..., media: _Optional[_Iterable[str]] = ..., score_ids_method: _Optional[str] = ...) -> None: ...
+    aligned_vocabularies: _containers.RepeatedCompositeFieldContainer[AlignedVocabulary]
+    chat_template: bool
+    def __init__(self, name: _Optional[str] = ..., model: _Optional[str] = ..., fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_topk: _Optional[int] = ..., outputs: _Optional[_Iterable[str]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., engine: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., keys: _Optional[_Iterable[str]] = ..., media: _Optional[_Iterable[str]] = ..., score_ids_method: _Optional[str] = ..., aligned_vocabularies: _Optional[_Iterable[_Union[AlignedVocabulary, _Mapping]]] = ..., chat_template: _Optional[bool] = ...) -> None: ...
+
+class AlignedVocabulary(_message.Message):
+    __slots__ = ("student_tokenizer", "exact_matches", "identical")
+    STUDENT_TOKENIZER_FIELD_NUMBER: _ClassVar[int]
+    EXACT_MATCHES_FIELD_NUMBER: _ClassVar[int]
+    IDENTICAL_FIELD_NUMBER: _ClassVar[int]
+    student_tokenizer: str
+    exact_matches: int
+    identical: bool
+    def __init__(self, student_tokenizer: _Optional[str] = ..., exact_matches: _Optional[int] = ..., identical: _Optional[bool] = ...) -> None: ...
+
+class StudentTokenizerInfo(_message.Message):
+    __slots__ = ("key", "vocab_size", "fingerprint")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    vocab_size: int
+    fingerprint: str
+    def __init__(self, key: _Optional[str] = ..., vocab_size: _Optional[int] = ..., fingerprint: _Optional[str] = ...) -> None: ...
 
 class TeachersResponse(_message.Message):
-    __slots__ = ("teachers",)
+    __slots__ = ("teachers", "student_tokenizers")
     TEACHERS_FIELD_NUMBER: _ClassVar[int]
+    STUDENT_TOKENIZERS_FIELD_NUMBER: _ClassVar[int]
     teachers: _containers.RepeatedCompositeFieldContainer[TeacherInfo]
-    def __init__(self, teachers: _Optional[_Iterable[_Union[TeacherInfo, _Mapping]]] = ...) -> None: ...
+    student_tokenizers: _containers.RepeatedCompositeFieldContainer[StudentTokenizerInfo]
+    def __init__(self, teachers: _Optional[_Iterable[_Union[TeacherInfo, _Mapping]]] = ..., student_tokenizers: _Optional[_Iterable[_Union[StudentTokenizerInfo, _Mapping]]] = ...) -> None: ...
 
 class UnembeddingRequest(_message.Message):
     __slots__ = ("teacher_key",)

@@ -31,15 +31,23 @@ def _logging(verbose: bool) -> None:
         logging.getLogger("proctor").setLevel(logging.INFO)
 
 
+def _parse_pairs(items: list[str], flag: str, form: str = "KEY=VALUE") -> dict[str, str]:
+    """KEY=VALUE items of a repeatable flag into a dict of strings."""
+    pairs: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise typer.BadParameter(f"{flag} expects {form}, got {item!r}")
+        pairs[key] = value
+    return pairs
+
+
 def _parse_settings(items: list[str]) -> dict:
     """KEY=VALUE pairs into a dict; values are JSON when they parse as JSON, else strings."""
     import json
 
     settings: dict = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise typer.BadParameter(f"--inference expects KEY=VALUE, got {item!r}")
+    for key, value in _parse_pairs(items, "--inference").items():
         try:
             settings[key] = json.loads(value)
         except json.JSONDecodeError:
@@ -77,6 +85,8 @@ def serve(
     startup_timeout_s: float = typer.Option(1800.0, help="Seconds a replica may take to start before it fails with its log tail."),
     inference: list[str] = typer.Option([], "--inference", help="Engine setting KEY=VALUE (value parsed as JSON when it can be), e.g. gpu_memory_utilization=0.2; repeatable."),
     teacher_name: str = typer.Option("default", help="Name (and routing key) of the teacher."),
+    student_tokenizer: list[str] = typer.Option([], "--student-tokenizer", help="A student tokenizer KEY=DIR that "
+                                                "aligned requests may name (loaded at start); repeatable."),
     auth_token_file: Path | None = typer.Option(None, help="File holding the bearer token required on scoring calls."),
     max_queue_requests: int = typer.Option(DEFAULTS.limits.max_queue_requests,
                                            help="Requests admitted per teacher (running + waiting) before 429s."),
@@ -98,6 +108,7 @@ def serve(
     _refuse_unsupported_versions([engine] if plan is None else [t.spec.name for t in plan.teachers.values()])
 
     _logging(verbose)
+    students = _parse_pairs(student_tokenizer, "--student-tokenizer", "KEY=DIR")
     if plan is not None:
         router, options = _config_router(plan, host=host, grpc_port=grpc_port, http_port=http_port)
     else:
@@ -109,6 +120,7 @@ def serve(
                                        health_check_interval_s=health_check_interval_s)
         options = _flag_options(host=host, grpc_port=grpc_port, http_port=http_port, auth_token_file=auth_token_file,
                                 max_queue_requests=max_queue_requests, max_queue_tokens=max_queue_tokens)
+    options.student_tokenizers.update(students)  # the flags' beside (or over) the config file's
     sys.exit(_serve_until_stopped(router, options, switch_interval_ms=switch_interval_ms))
 
 
@@ -158,6 +170,7 @@ def _flag_options(*, host: str | None, grpc_port: int | None, http_port: int | N
 def _serve_until_stopped(router: Router, options: ServerOptions, *, switch_interval_ms: float) -> int:
     """Run the server on a new event loop until it stops; 1 when a replica could not start (its
     reason on stderr, the other replicas released), else the server's own exit code."""
+    from proctor.server.alignment.students import StudentTokenizerError
     from proctor.server.engines.base import EngineError
     from proctor.server.runtime import ProctorServer
 
@@ -167,7 +180,7 @@ def _serve_until_stopped(router: Router, options: ServerOptions, *, switch_inter
         print(f"proctor: gRPC on {options.host}:{server.grpc_port}, HTTP on {options.host}:{server.http_port}", flush=True)
         try:
             return await server.serve_forever()
-        except EngineError as exc:  # a replica could not start: say why, release the others, exit 1
+        except (EngineError, StudentTokenizerError) as exc:  # a replica or student tokenizer could not start
             print(f"proctor: cannot serve: {exc}", file=sys.stderr, flush=True)
             await server.stop()
             return 1
@@ -247,12 +260,16 @@ def check_config(config: Path = typer.Argument(..., help="YAML config to check."
 @app.command()
 def demo(
     steps: int = typer.Option(30, help="Training steps."),
-    loss: str = typer.Option("full_forward_kl", help="k1 | k3 | forward_kl_topk | full_forward_kl | full_reverse_kl | full_jsd | student_topk_reverse_kl"),
+    loss: str | None = typer.Option(None, help="k1 | k3 | forward_kl_topk | full_forward_kl (the default) | full_reverse_kl | "
+                                    "full_jsd | student_topk_reverse_kl; with --cross-tokenizer: gold_hybrid (the "
+                                    "default) | chunk_likelihood"),
     transport: str = typer.Option("grpc", help="grpc | http"),
     out: Path = typer.Option(Path("out"), help="Folder for the loss plot and log."),
     seed: int = typer.Option(0),
     teacher: str = typer.Option("text", help="text (the tiny teacher) | omni (a tiny Qwen2.5-Omni Thinker: "
                                 "prompts with an image and an audio clip)"),
+    cross_tokenizer: bool = typer.Option(False, help="Distil a tiny student with another tokenizer (other merges "
+                                         "and vocabulary) through aligned requests."),
 ) -> None:
     """On-policy distillation on the CPU: a noisy student learns from the tiny teacher.
 
@@ -262,6 +279,9 @@ def demo(
     from proctor.server.quickstart import print_quickstart, tiny_teacher
     from proctor.trainer_adapter.demo import option_error, run_demo
 
+    if cross_tokenizer:
+        _cross_tokenizer_demo(steps=steps, loss=loss, transport=transport, out=out, seed=seed, teacher=teacher)
+    loss = loss or "full_forward_kl"
     problem = option_error(steps=steps, loss=loss, transport=transport, teacher=teacher)
     if problem:  # before a server is started for nothing
         typer.echo(f"proctor demo: {problem}", err=True)
@@ -272,6 +292,25 @@ def demo(
         targets = {"grpc": f"grpc://{server.grpc_target}", "http": server.http_url}
         code = run_demo(targets, model_dir, steps=steps, loss=loss, transport=transport, out=out, seed=seed,
                         teacher=teacher)
+    raise typer.Exit(code)
+
+
+def _cross_tokenizer_demo(*, steps: int, loss: str | None, transport: str, out: Path, seed: int, teacher: str) -> None:
+    """`proctor demo --cross-tokenizer`: the tiny teacher serves aligned requests for the tiny
+    student's tokenizer; the student (client side only) distils through them. Exits."""
+    from proctor.server.quickstart import tiny_teacher
+    from proctor.server.tiny_model import ensure_tiny_student
+    from proctor.trainer_adapter.cross_tokenizer_demo import cross_option_error, run_cross_tokenizer_demo
+
+    loss = loss or "gold_hybrid"
+    problem = cross_option_error(steps=steps, loss=loss, transport=transport, teacher=teacher)
+    if problem:
+        typer.echo(f"proctor demo: {problem}", err=True)
+        raise typer.Exit(2)
+    student = ensure_tiny_student()
+    with tiny_teacher(student_tokenizers={"tiny-student": str(student)}) as (server, _):
+        target = f"grpc://{server.grpc_target}" if transport == "grpc" else server.http_url
+        code = run_cross_tokenizer_demo(target, student, "tiny-student", steps=steps, loss=loss, out=out, seed=seed)
     raise typer.Exit(code)
 
 

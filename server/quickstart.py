@@ -26,9 +26,10 @@ SAMPLES = [
 
 
 @contextmanager
-def tiny_teacher(*, max_topk: int = 64, kind: str = "text") -> Iterator[tuple[ServerThread, Path]]:
+def tiny_teacher(*, max_topk: int = 64, kind: str = "text",
+                 student_tokenizers: dict[str, str] | None = None) -> Iterator[tuple[ServerThread, Path]]:
     """The built-in tiny teacher (`kind` "omni": the tiny Qwen2.5-Omni Thinker) served on free
-    loopback ports while the block runs: (server, model dir)."""
+    loopback ports while the block runs, knowing `student_tokenizers`: (server, model dir)."""
     if kind == "omni":
         from proctor.server.tiny_multimodal import ensure_tiny_multimodal
 
@@ -36,7 +37,8 @@ def tiny_teacher(*, max_topk: int = 64, kind: str = "text") -> Iterator[tuple[Se
     else:
         model = ensure_default_model()
     spec = EngineSpec(name="torch", model_path=str(model), max_topk=max_topk)
-    with ServerThread(single_teacher_router(spec, name="tiny"), ServerOptions(grpc_port=0, http_port=0)) as server:
+    options = ServerOptions(grpc_port=0, http_port=0, student_tokenizers=dict(student_tokenizers or {}))
+    with ServerThread(single_teacher_router(spec, name="tiny"), options) as server:
         yield server, model
 
 

@@ -64,7 +64,7 @@ class ProctorServer:
     def __init__(self, router: Router, options: ServerOptions) -> None:
         self.options = options
         limits = replace(options.limits, max_answer_bytes=options.max_message_bytes // 2)
-        self.service = ScoringService(router, limits=limits)
+        self.service = ScoringService(router, limits=limits, student_tokenizers=options.student_tokenizers)
         auth = TokenAuth(options.auth_token)
         tls = None
         if options.tls_cert_file and options.tls_key_file:

@@ -34,6 +34,8 @@ class ServerOptions:
     open_paths: tuple[str, ...] = OPEN_PATHS
     # A second, plain-HTTP port serving only /metrics (for scrapers kept off the API port).
     metrics_port: int | None = None
+    # Student tokenizers aligned requests may name: key -> tokenizer directory, loaded at start.
+    student_tokenizers: dict[str, str] = field(default_factory=dict)
 
 
 DEFAULTS = ServerOptions()

@@ -16,6 +16,17 @@ import torch
 from proctor.server.engines.torch.loading import build
 
 DEFAULT_MODEL_DIR = Path.home() / ".cache" / "proctor" / "tiny-teacher"
+DEFAULT_STUDENT_DIR = Path.home() / ".cache" / "proctor" / "tiny-student"
+
+# ChatML, as Qwen's, over the special tokens the tiny tokenizers already have: `messages` of an
+# aligned request are rendered with it (an unknown role is refused, as real templates refuse it).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown role ' + message['role']) }}{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 _CORPUS = """
 On-policy distillation trains a student on its own samples while a frozen teacher scores
@@ -28,17 +39,32 @@ The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor 
 def score(tokens): return teacher(tokens).log_softmax(-1)
 User: what is 12 times 7? Assistant: 12 times 7 is 84.
 """
+# The tiny student tokenizer's own text: other merges than the teacher's (and digits split one
+# by one), so the two tokenize most text differently.
+_STUDENT_CORPUS = """
+A student model samples rollouts; the teacher scores them and the trainer distils. Tokenizers
+differ between model families: each cuts text into its own pieces, so scores are aligned by
+the bytes both tokenizations share. Bytes, characters, words and numbers: 3.14159 and 2718.
+Über naïve café, 東京 and 数学, emoji 🙂 and symbols ± × ÷ ≤ ≥ → all travel as UTF-8 bytes.
+User: what is 12 times 7? Assistant: it is 84, since 12 * 7 = 84.
+"""
 
 
-def build_tokenizer(vocab_size: int, extra_special: dict[str, str] | None = None):
+def build_tokenizer(vocab_size: int, extra_special: dict[str, str] | None = None, *, student: bool = False,
+                    chat_template: str | None = None):
     """A byte-level BPE tokenizer trained on the built-in corpus (deterministic); `extra_special`
     names a model family's own special tokens (its media placeholders, `{"image_token":
-    "<|image_pad|>", ...}`, attributes that its processor reads), given ids after the base three."""
+    "<|image_pad|>", ...}`, attributes that its processor reads), given ids after the base three.
+    `student`: the tiny student's tokenizer instead, byte-level too but trained on other text with
+    digits split one by one (other merges, another vocabulary), for cross-tokenizer distillation;
+    `chat_template`: the tokenizer's (`CHAT_TEMPLATE` for the tiny text models)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = Tokenizer(models.BPE(unk_token=None))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+                               if student else byte_level)
     tokenizer.decoder = decoders.ByteLevel()
     extra_special = dict(extra_special or {})
     special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *extra_special.values()]
@@ -48,12 +74,13 @@ def build_tokenizer(vocab_size: int, extra_special: dict[str, str] | None = None
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    tokenizer.train_from_iterator([_STUDENT_CORPUS if student else _CORPUS] * 4, trainer=trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         eos_token="<|endoftext|>",
         pad_token="<|endoftext|>",
         bos_token=None,
+        chat_template=chat_template,
         **({"extra_special_tokens": extra_special} if extra_special else {}),
     )
 
@@ -71,18 +98,20 @@ def make_tiny_model(
     seed: int = 0,
     tie_word_embeddings: bool = False,
     family: str = "qwen2",
+    student_tokenizer: bool = False,
 ) -> Path:
-    """Write a tiny causal LM (config, safetensors weights, tokenizer) to out_dir: a Qwen2, or
-    with `family` one whose logits are not lm_head(h) alone (`FAMILIES`: Gemma-2's final soft-cap,
-    Granite's logit scaling), for checking that engines score with the model's own logits, or a
-    GPT-2 (another architecture's names for its weights)."""
+    """Write a tiny causal LM (config, safetensors weights, tokenizer with `CHAT_TEMPLATE`) to
+    out_dir: a Qwen2, or with `family` one whose logits are not lm_head(h) alone (`FAMILIES`:
+    Gemma-2's final soft-cap, Granite's logit scaling), for checking that engines score with the
+    model's own logits, or a GPT-2 (another architecture's names for its weights); with the tiny
+    student's tokenizer (`build_tokenizer(student=True)`) when `student_tokenizer`."""
     from transformers import AutoModelForCausalLM
 
     if family not in FAMILIES:
         raise ValueError(f"family must be one of {', '.join(FAMILIES)}, got {family!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(vocab_size)
+    tokenizer = build_tokenizer(vocab_size, student=student_tokenizer, chat_template=CHAT_TEMPLATE)
     config_class, extra = _family_config(family)
     tie_word_embeddings = tie_word_embeddings or family in ("gemma2", "gpt2")
     config = config_class(
@@ -153,8 +182,23 @@ def _family_config(family: str):
 
 
 def ensure_default_model(path: str | Path = DEFAULT_MODEL_DIR) -> Path:
-    """Build the default teacher once; later calls reuse the directory."""
+    """Build the default teacher once; later calls reuse the directory (one built before it had a
+    chat template is built again: the same weights and token ids, from the same seed)."""
     out = Path(path)
-    if not (out / "config.json").exists() or not (out / "model.safetensors").exists():
+    if not all((out / name).exists() for name in ("config.json", "model.safetensors", "chat_template.jinja")):
         make_tiny_model(out)
+    return out
+
+
+# The tiny student of cross-tokenizer distillation: its own tokenizer, its own weights.
+STUDENT_VOCAB_SIZE = 400
+STUDENT_SEED = 7
+
+
+def ensure_tiny_student(path: str | Path = DEFAULT_STUDENT_DIR) -> Path:
+    """Build the tiny student once (a Qwen2 of `STUDENT_VOCAB_SIZE` ids over the student tokenizer,
+    random weights from `STUDENT_SEED`); later calls reuse the directory."""
+    out = Path(path)
+    if not all((out / name).exists() for name in ("config.json", "model.safetensors", "tokenizer.json")):
+        make_tiny_model(out, vocab_size=STUDENT_VOCAB_SIZE, seed=STUDENT_SEED, student_tokenizer=True)
     return out

@@ -37,6 +37,15 @@ def other_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_student_dir(tmp_path_factory) -> Path:
+    """The tiny student: another byte-level tokenizer (other merges, vocab 400), its own weights."""
+    from proctor.server.tiny_model import STUDENT_SEED, STUDENT_VOCAB_SIZE, make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-student"), vocab_size=STUDENT_VOCAB_SIZE,
+                           seed=STUDENT_SEED, student_tokenizer=True)
+
+
+@pytest.fixture(scope="session")
 def torch_server(tiny_model_dir):
     """A real gRPC + HTTP server on loopback with the torch engine on the tiny teacher."""
     from proctor.server.config import single_teacher_router

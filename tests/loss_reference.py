@@ -172,3 +172,41 @@ def student_topk_ref(
         else:
             rows.append(_kl(torch.log_softmax(s, -1), torch.log_softmax(t / temperature, -1)))
     return torch.stack(rows)
+
+
+def chunk_likelihood_ref(student_logprobs: torch.Tensor, chunk_ids: list[int],
+                         teacher_chunk_logprobs: list[float], ceiling: float) -> torch.Tensor:
+    """ALM's binary KL per chunk, float64, one chunk at a time (a new chunk where the id changes)."""
+    losses = []
+    start = 0
+    for stop in range(1, len(chunk_ids) + 1):
+        if stop < len(chunk_ids) and chunk_ids[stop] == chunk_ids[start]:
+            continue
+        student = torch.clamp(student_logprobs[start:stop].to(F64).sum(), max=-ceiling)
+        teacher = min(float(teacher_chunk_logprobs[start]), -ceiling)
+        p_t = math.exp(teacher)
+        p_s = torch.exp(student)
+        losses.append(p_t * (math.log(p_t) - torch.log(p_s)) + (1 - p_t) * (math.log(1 - p_t) - torch.log(1 - p_s)))
+        start = stop
+    return torch.stack(losses)
+
+
+def gold_hybrid_ref(student_logits: torch.Tensor, topk_ids: list[list[int]], topk_logprobs: list[list[float]],
+                    exact: list[bool], uld: list[bool], uld_teacher_logprobs: list[list[float]],
+                    temperature: float = 1.0) -> torch.Tensor:
+    """Per row, float64: the forward KL over the mapped teacher ids, or the L1 distance of the two
+    sides' K largest probabilities, each sorted (ULD); 0 elsewhere."""
+    rows = []
+    for r in range(student_logits.shape[0]):
+        log_p = torch.log_softmax(student_logits[r].to(F64) / temperature, -1)
+        if exact[r]:
+            terms = [math.exp(t) * (t - log_p[i]) for i, t in zip(topk_ids[r], topk_logprobs[r], strict=True) if i >= 0]
+            rows.append(sum(terms, torch.zeros((), dtype=F64)))
+        elif uld[r]:
+            k = len(uld_teacher_logprobs[r])
+            student = torch.sort(log_p.exp(), descending=True).values[:k]
+            teacher = sorted((math.exp(t) for t in uld_teacher_logprobs[r]), reverse=True)
+            rows.append(sum((abs(s - t) for s, t in zip(student, teacher, strict=True)), torch.zeros((), dtype=F64)))
+        else:
+            rows.append(torch.zeros((), dtype=F64))
+    return torch.stack(rows)

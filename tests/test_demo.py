@@ -50,6 +50,18 @@ def test_omni_demo_distils_the_thinker_on_image_and_audio_prompts(tmp_path):
     assert len(losses) == 10 and losses[-1] < 0.6 * losses[0], losses
 
 
+def test_cross_tokenizer_demo_distils_a_student_with_another_tokenizer(tmp_path):
+    """`--cross-tokenizer`: the student (its own tokenizer and random weights) shares no ids with
+    the teacher; the loss only falls if the aligned answers reach the right student rows."""
+    result = CliRunner().invoke(app, ["demo", "--cross-tokenizer", "--steps", "10", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert "student tokenizer 'tiny-student', loss gold_hybrid" in result.output
+    losses = [entry["loss"] for entry in json.loads((tmp_path / "loss_cross_tokenizer_gold_hybrid.json").read_text())]
+    assert len(losses) == 10 and losses[-1] < 0.6 * losses[0], losses
+    refused = CliRunner().invoke(app, ["demo", "--cross-tokenizer", "--loss", "k3", "--out", str(tmp_path)])
+    assert refused.exit_code == 2 and "--loss with --cross-tokenizer must be one of" in refused.output
+
+
 def test_demo_refuses_unknown_options(tmp_path, capsys):
     targets = {"grpc": "grpc://127.0.0.1:1", "http": "http://127.0.0.1:1"}  # never reached
     assert run_demo(targets, tmp_path, steps=2, loss="mse_logits", out=tmp_path) == 2

@@ -153,3 +153,13 @@ def test_no_function_over_60_lines():
                 if lines > MAX_FUNCTION_LINES:
                     long[f"{module}.{node.name}"] = lines
     assert long == {}
+
+
+def test_every_package_is_listed_for_a_wheel_install():
+    """setuptools' `packages` names each subpackage; one left out imports in an editable install
+    (its folder is mapped) and is missing from a wheel."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    packages = {name for name, path in MODULES.items() if path.name == "__init__.py"}
+    assert packages - listed == set()

@@ -10,7 +10,8 @@ chunk loop, the autograd plumbing and the gradients of the per-token and
 reduced forms alike.
 
 Families: ``sampled_kl`` (single-sample estimators), ``topk_kl`` (teacher's
-top-k), ``student_topk_reverse_kl`` (the reverse KL on the student's top-k), ``full_vocab_kl`` (exact, from teacher hidden states), plus the
+top-k), ``student_topk_reverse_kl`` (the reverse KL on the student's top-k), ``full_vocab_kl`` (exact, from teacher hidden states),
+``cross_tokenizer`` (a teacher of another tokenizer: chunk likelihoods, GOLD-style hybrid), plus the
 verl-compatible ``distillation_loss`` entry point. The vocabulary-wide losses
 have reduced forms (``full_vocab_kl_reduced``, ``topk_kl_reduced``) that take the
 aggregation's per-token weights (``aggregate_weights``) up front and form the
@@ -22,6 +23,7 @@ from proctor.proto.loss_modes import HIDDEN_STATE_MODES, LOSS_MODES, TOPK_MODES
 
 from .aggregate import AGG_MODES, aggregate, aggregate_weights
 from .chunking import Chunking
+from .cross_tokenizer import chunk_likelihood_loss, gold_hybrid_loss
 from .distillation import DistillationOutput, distillation_loss
 from .full_vocab import full_vocab_kl, full_vocab_kl_reduced
 from .metrics import loss_metrics
@@ -45,9 +47,11 @@ __all__ = [
     "Reduced",
     "aggregate",
     "aggregate_weights",
+    "chunk_likelihood_loss",
     "distillation_loss",
     "full_vocab_kl",
     "full_vocab_kl_reduced",
+    "gold_hybrid_loss",
     "loss_metrics",
     "matmul_flops",
     "sampled_kl",

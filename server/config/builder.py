@@ -119,6 +119,7 @@ def server_options(plan: ServingPlan, *, host: str | None = None) -> ServerOptio
         tls_client_ca_file=s.tls.client_ca_file,
         open_paths=tuple(s.open_paths),
         metrics_port=s.metrics_port,
+        student_tokenizers=dict(s.student_tokenizers),
     )
 
 

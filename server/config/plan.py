@@ -237,14 +237,7 @@ def resolve_plan(config: ProctorConfig, *, files_must_exist: bool = True) -> Ser
                 check_model_path(t.spec.model_path)
             except EngineConfigError as exc:
                 (problems if files_must_exist else notes).append(f"distillation.teacher_models.{t.name}.{exc}")
-    for label, path in (
-        ("server.auth_token_file", server.auth_token_file),
-        ("server.tls.cert_file", server.tls.cert_file),
-        ("server.tls.key_file", server.tls.key_file),
-        ("server.tls.client_ca_file", server.tls.client_ca_file),
-    ):
-        if path and not Path(path).is_file():
-            (problems if files_must_exist else notes).append(f"{label}: {path} is not a readable file here")
+    (problems if files_must_exist else notes).extend(_missing_files(server))
     demands = [
         TeacherDemand(
             name=t.name,
@@ -269,6 +262,23 @@ def resolve_plan(config: ProctorConfig, *, files_must_exist: bool = True) -> Ser
     if problems:
         raise ConfigError(problems)
     return ServingPlan(config=config, device_kind=device_kind, teachers=teachers, placement=placement, notes=notes)
+
+
+def _missing_files(server: ServerBlock) -> list[str]:
+    """The server block's files (token, TLS) and student tokenizer directories that are not here."""
+    missing = []
+    for label, path in (
+        ("server.auth_token_file", server.auth_token_file),
+        ("server.tls.cert_file", server.tls.cert_file),
+        ("server.tls.key_file", server.tls.key_file),
+        ("server.tls.client_ca_file", server.tls.client_ca_file),
+    ):
+        if path and not Path(path).is_file():
+            missing.append(f"{label}: {path} is not a readable file here")
+    for key, path in server.student_tokenizers.items():
+        if not Path(path).is_dir():
+            missing.append(f"server.student_tokenizers.{key}: {path} is not a tokenizer directory here")
+    return missing
 
 
 def _serving_problems(placement: PlacementPlan, teachers: dict[str, ResolvedTeacher], server: ServerBlock) -> list[str]:

@@ -183,6 +183,8 @@ class ServerBlock(ConfigBlock):
     restart_initial_backoff_s: float = Field(0.5, gt=0)
     restart_max_backoff_s: float = Field(30.0, gt=0)
     swap_max_consecutive_batches: int = Field(4, ge=1)
+    # Student tokenizers (key -> tokenizer directory) that aligned requests may name.
+    student_tokenizers: dict[str, str] = Field(default_factory=lambda: dict(DEFAULTS.student_tokenizers))
     ray: RayConfig = Field(default_factory=RayConfig)
 
 

@@ -131,7 +131,8 @@ class TeacherScoringServicer(scoring_pb2_grpc.TeacherScoringServicer):
             yield chunk
 
     async def ListTeachers(self, request, context):
-        return scoring_pb2.TeachersResponse(teachers=self.service.teacher_infos())
+        return scoring_pb2.TeachersResponse(teachers=self.service.teacher_infos(),
+                                            student_tokenizers=self.service.aligned.student_infos())
 
     async def GetUnembedding(self, request, context) -> AsyncIterator[scoring_pb2.TensorChunk]:
         try:

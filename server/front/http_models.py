@@ -167,6 +167,27 @@ def _token_ids(ids: list[int] | _Absent | None) -> list[int]:
     return ids
 
 
+def _teacher_prompt_ids(ids: list | None) -> list[int] | None:
+    if ids is None:
+        return None
+    if any(isinstance(t, bool) or not isinstance(t, int) or t not in INT32 for t in ids):
+        raise invalid("teacher_prompt_ids", "must be a list of integer token ids in the int32 range")
+    return ids
+
+
+def _messages(items: list | None) -> list[scoring_pb2.AlignedMessage] | None:
+    """A conversation as {"role", "content"} objects of strings, the wire's AlignedMessages."""
+    if items is None:
+        return None
+    out = []
+    for index, item in enumerate(items):
+        if (not isinstance(item, dict) or set(item) != {"role", "content"}
+                or not all(isinstance(v, str) for v in item.values())):
+            raise invalid(f"messages[{index}]", 'must be {"role": "...", "content": "..."} (strings)')
+        out.append(scoring_pb2.AlignedMessage(role=item["role"], content=item["content"]))
+    return out
+
+
 def _media(items: list | None, info: ValidationInfo) -> list[scoring_pb2.Media]:
     field = info.field_name
     out = []
@@ -223,6 +244,13 @@ class MediaItem(BaseModel):
     media_type: str = Field(description='its media type, e.g. "image/png"')
 
 
+class MessageItem(BaseModel):
+    """One turn of the teacher's conversation."""
+
+    role: str = Field(description='e.g. "user"')
+    content: str
+
+
 _Media = Annotated[list[scoring_pb2.Media] | None, checked(_media, list[MediaItem] | None)]
 
 
@@ -245,6 +273,12 @@ class ScoreBody(WireModel):
         None, description="divides the teacher's logits before the log-softmax")
     score_ids: Annotated[scoring_pb2.Tensor | None, checked(_score_ids, list[list[Int32]] | None)] = Field(
         None, description="per row, the ids whose log-probs to answer (rows may be ragged)")
+    student_tokenizer: str | None = Field(
+        None, description="a student tokenizer of the server: token_ids are the student's, the answer is aligned")
+    teacher_prompt_ids: Annotated[list[int] | None, checked(_teacher_prompt_ids, list[Int32] | None)] = Field(
+        None, description="with student_tokenizer: the teacher's prompt as its own ids")
+    messages: Annotated[list[scoring_pb2.AlignedMessage] | None, checked(_messages, list[MessageItem] | None)] = Field(
+        None, description="with student_tokenizer: the teacher's prompt as a conversation for its chat template")
 
     @model_validator(mode="before")
     @classmethod
@@ -275,4 +309,7 @@ class ScoreBody(WireModel):
             request.temperature = self.temperature
         if self.score_ids is not None:
             request.score_ids.CopyFrom(self.score_ids)
+        request.student_tokenizer = self.student_tokenizer or ""
+        request.teacher_prompt_ids.extend(self.teacher_prompt_ids or ())
+        request.messages.extend(self.messages or ())
         return request

@@ -13,6 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from google.protobuf.json_format import MessageToDict
 
+from proctor.proto import scoring_pb2
 from proctor.server.front.completions_serving import CompletionsServing
 from proctor.server.front.openai_compat import CompletionBody
 from proctor.server.front.score_serving import SCORE_OPENAPI, ScoreServing
@@ -54,11 +55,11 @@ async def unembedding(request: Request, teacher_key: str = "") -> Response:
     return await _serving(request).score.unembedding(teacher_key)
 
 
-@router.get("/v1/teachers", summary="The teachers this server scores with")
+@router.get("/v1/teachers", summary="The teachers this server scores with, and its student tokenizers")
 async def teachers(request: Request) -> dict:
-    infos = _serving(request).service.teacher_infos()
-    return {"teachers": [MessageToDict(info, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
-                         for info in infos]}
+    service = _serving(request).service
+    answer = scoring_pb2.TeachersResponse(teachers=service.teacher_infos(), student_tokenizers=service.aligned.student_infos())
+    return MessageToDict(answer, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
 
 
 @router.get("/health/live", summary="The process is up")

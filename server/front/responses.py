@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 
 import torch
 
@@ -32,6 +34,8 @@ _HIDDEN = scoring_pb2.ScoreResponse.DESCRIPTOR.fields_by_name["hidden_states"].n
 _DATA = scoring_pb2.Tensor.DESCRIPTOR.fields_by_name["data"].number
 _CHUNK_RESPONSE = scoring_pb2.ScoreChunk.DESCRIPTOR.fields_by_name["response"].number
 _CHUNK_LAST = scoring_pb2.ScoreChunk(last=True).SerializeToString()
+_ALIGNED = scoring_pb2.ScoreResponse.DESCRIPTOR.fields_by_name["aligned"].number
+_ALIGNED_TEACHER = scoring_pb2.AlignedScores.DESCRIPTOR.fields_by_name["teacher"].number
 
 
 def _varint(value: int) -> bytes:
@@ -53,8 +57,23 @@ def _header(scored: ScoredRequest) -> dict:
         "teacher": scored.teacher,
         "model": scored.model,
         "num_tokens": scored.num_tokens,
-        "first_row": scored.result.first_row,
+        "first_row": scored.first_row,
     }
+
+
+def _teacher_part(scored: ScoredRequest) -> ScoredRequest:
+    """An aligned request's teacher answer: its own rows over its own sequence."""
+    return replace(scored, num_tokens=scored.aligned.teacher_num_tokens, aligned=None)
+
+
+def _outputs(scored: ScoredRequest, wire: EncodedResult) -> list[bytes]:
+    """ScoreResponse's output fields: the worker's, or for an aligned request its `aligned` field
+    (the student-row outputs, then the teacher's own answer spliced from the worker's bytes)."""
+    if scored.aligned is None:
+        return [wire.outputs]
+    teacher = scoring_pb2.ScoreResponse(**_header(_teacher_part(scored))).SerializeToString() + wire.outputs
+    inner = scored.aligned.protobuf() + _tag(_ALIGNED_TEACHER) + _varint(len(teacher)) + teacher
+    return [_tag(_ALIGNED), _varint(len(inner)), inner]
 
 
 def _hidden_field(raw: RawRows, first_row: int, start: int, stop: int) -> list[bytes | memoryview]:
@@ -69,7 +88,8 @@ def _hidden_field(raw: RawRows, first_row: int, start: int, stop: int) -> list[b
 def _unary(scored: ScoredRequest) -> bytes:
     """The serialised ScoreResponse: header, the worker's output fields, the hidden states."""
     wire = encode_result(scored.result)
-    parts: list[bytes | memoryview] = [scoring_pb2.ScoreResponse(**_header(scored)).SerializeToString(), wire.outputs]
+    parts: list[bytes | memoryview] = [scoring_pb2.ScoreResponse(**_header(scored)).SerializeToString(),
+                                       *_outputs(scored, wire)]
     if wire.hidden is not None:
         parts += _hidden_field(wire.hidden, wire.first_row, 0, wire.hidden.shape[0])
     return b"".join(parts)
@@ -87,7 +107,7 @@ def _chunks(scored: ScoredRequest, *, chunk_bytes: int) -> Iterator[bytes]:
     head = scoring_pb2.ScoreResponse(**_header(scored)).SerializeToString()
     hidden = wire.hidden
     if hidden is None:
-        yield _chunk([head, wire.outputs], True)
+        yield _chunk([head, *_outputs(scored, wire)], True)
         return
     yield _chunk([head, wire.outputs], False)
     rows = hidden.shape[0]
@@ -114,9 +134,11 @@ def _nulls(count: int) -> str:
 
 
 def _finite_or_null(values: torch.Tensor) -> list:
-    """[R, K] rows as lists with null for -inf (padded score_ids): JSON has no infinity."""
+    """[R] or [R, K] rows as lists with null for -inf (padding) and NaN (no value): JSON has neither."""
     rows = values.float().tolist()
-    return [[v if v != float("-inf") else None for v in row] for row in rows]
+    if values.dim() == 1:
+        return [v if math.isfinite(v) else None for v in rows]
+    return [[v if math.isfinite(v) else None for v in row] for row in rows]
 
 
 def _json_items(values: torch.Tensor, first_row: int, num_tokens: int, rows_per_piece: int, convert) -> Iterator[str]:
@@ -133,10 +155,37 @@ def _json_items(values: torch.Tensor, first_row: int, num_tokens: int, rows_per_
         yield ("," if parts_before else "") + _nulls(num_tokens - first_row - rows)
 
 
+def _json_list(name: str, values: torch.Tensor, scored: ScoredRequest, rows_per_piece: int, convert,
+               *, lead: str = ",") -> Iterator[bytes]:
+    """`"name":[...]` over all T rows of the answer, in pieces."""
+    yield f'{lead}"{name}":['.encode()
+    for piece in _json_items(values, scored.first_row, scored.num_tokens, rows_per_piece, convert):
+        yield piece.encode()
+    yield b"]"
+
+
+def _aligned_json_pieces(scored: ScoredRequest, rows_per_piece: int) -> Iterator[bytes]:
+    """An aligned answer's `"aligned":{...}` member: the student's T rows, the alignment, and the
+    teacher's own JSON answer."""
+    aligned = scored.aligned
+    yield b',"aligned":{'
+    for index, (name, values) in enumerate(aligned.rows()):
+        convert = (lambda v: v.tolist()) if "ids" in name else _finite_or_null
+        yield from _json_list(name, values, scored, rows_per_piece, convert, lead="," if index else "")
+    yield (f',"chunks":{json.dumps(aligned.chunks.tolist(), separators=(",", ":"))}'
+           f',"teacher_ids":{json.dumps(aligned.teacher_ids.tolist(), separators=(",", ":"))},"teacher":').encode()
+    yield from _json_pieces(_teacher_part(scored), rows_per_piece)
+    yield b"}"
+
+
 def _json_pieces(scored: ScoredRequest, rows_per_piece: int) -> Iterator[bytes]:
     """The JSON answer (all T rows, null where a row has no value) as consecutive pieces."""
-    result, first, total = scored.result, scored.result.first_row, scored.num_tokens
+    result, first = scored.result, scored.first_row
     yield json.dumps(_header(scored), separators=(",", ":"))[:-1].encode()
+    if scored.aligned is not None:
+        yield from _aligned_json_pieces(scored, rows_per_piece)
+        yield b"}"
+        return
     lists = (
         ("logprobs", result.logprobs, lambda v: v.float().tolist()),
         ("topk_ids", result.topk_ids, lambda v: v.tolist()),
@@ -145,10 +194,7 @@ def _json_pieces(scored: ScoredRequest, rows_per_piece: int) -> Iterator[bytes]:
     )
     for name, values, convert in lists:
         if values is not None:
-            yield f',"{name}":['.encode()
-            for piece in _json_items(values, first, total, rows_per_piece, convert):
-                yield piece.encode()
-            yield b"]"
+            yield from _json_list(name, values, scored, rows_per_piece, convert)
     hidden = result.hidden if isinstance(result, EncodedResult) else None
     if hidden is None and result.hidden_states is not None:
         hidden = RawRows.of(result.hidden_states)
@@ -164,6 +210,8 @@ def _json_values(scored: ScoredRequest) -> int:
     result = scored.result
     per_row = 1 + sum(v.shape[1] for v in (result.topk_ids, result.topk_logprobs, result.score_logprobs)
                       if v is not None)
+    if scored.aligned is not None:  # the student's rows (about as wide), the teacher's inside
+        return 2 * _json_values(_teacher_part(scored)) + scored.num_tokens * (per_row + 2)
     return scored.num_tokens * per_row
 
 

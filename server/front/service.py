@@ -16,13 +16,16 @@ import asyncio
 import enum
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from proctor.proto import scoring_pb2, wire_dtype
 from proctor.server.engines.base import EngineRequest, EngineResult
 from proctor.server.errors import NOT_READY_RETRY_S, Code, ScoringError
+from proctor.server.front.aligned_scoring import AlignedScoring
 from proctor.server.front.routing import ReplicaSet, Router
 from proctor.server.front.validation import decode, request_mode, validate
 from proctor.server.media import MediaLimits
@@ -60,6 +63,14 @@ class ScoredRequest:
     num_tokens: int
     result: EngineResult
     mode: str
+    # An aligned request's answer in the student's rows (`alignment.answer.AlignedAnswer`); then
+    # `num_tokens` is the student's and `result` the teacher's rows over its own sequence.
+    aligned: Any = None
+
+    @property
+    def first_row(self) -> int:
+        """The first row answered: the student's for an aligned request."""
+        return self.aligned.first_row if self.aligned is not None else self.result.first_row
 
 
 @dataclass
@@ -71,8 +82,10 @@ class _Admission:
 class ScoringService:
     """Validation (once, for both transports), admission, scoring and the catalogue."""
 
-    def __init__(self, router: Router, *, limits: Limits | None = None, metrics: Metrics | None = None) -> None:
+    def __init__(self, router: Router, *, limits: Limits | None = None, metrics: Metrics | None = None,
+                 student_tokenizers: Mapping[str, str] | None = None) -> None:
         self.router = router
+        self.aligned = AlignedScoring(student_tokenizers)
         self.limits = limits or Limits()
         self.metrics = metrics or Metrics()
         self.state = ServiceState.LOADING
@@ -84,6 +97,7 @@ class ScoringService:
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
+        await self.aligned.load(self.router.teachers.values())  # before the replicas: a bad one stops the start
         await asyncio.gather(*(t.start() for t in self.router.teachers.values()))
         self.state = ServiceState.SERVING
 
@@ -149,9 +163,17 @@ class ScoringService:
         """Score one request end to end; raises ScoringError with the contract's codes.
 
         `unary`: the answer goes in one message, so hidden states must fit `limits.max_answer_bytes`
-        (streamed answers have no such bound)."""
+        (streamed answers have no such bound). A request naming a `student_tokenizer` is aligned
+        (`AlignedScoring`): scored as the teacher's request, answered in the student's rows."""
+        if request.student_tokenizer:
+            return await self.aligned.score(self, request, timeout=timeout, unary=unary)
+        return await self.score_teacher(request, timeout=timeout, unary=unary)
+
+    async def score_teacher(self, request: scoring_pb2.ScoreRequest, *, timeout: float | None = None,
+                            unary: bool = True, mode: str | None = None) -> ScoredRequest:
+        """Score a request over the teacher's own ids (counted under `mode`, default its own)."""
         started = time.monotonic()
-        mode = request_mode(request)
+        mode = mode or request_mode(request)
         teacher_name = "unknown"
         try:
             self._check_serving()
@@ -222,6 +244,8 @@ class ScoringService:
                     keys=list(teacher_set.keys),
                     media=list(info.media),
                     score_ids_method=info.score_ids_method,
+                    aligned_vocabularies=self.aligned.vocabularies(teacher_set.name),
+                    chat_template=self.aligned.chat_template(teacher_set.name),
                 )
             )
         return infos

@@ -18,6 +18,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from proctor.server.alignment.students import load_tokenizer
 from proctor.server.front.completion_json import TokenText
 from proctor.server.front.routing import ReplicaSet
 
@@ -33,9 +34,7 @@ def _load(path: Path | None) -> Any:
     if path is None or not path.is_dir():
         return None
     try:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+        return load_tokenizer(path)
     except Exception as exc:  # no tokenizer files, or one transformers cannot read
         log.info("no tokenizer for %s (%s): decoded_token will be empty, text prompts refused", path, exc)
         return None

@@ -38,7 +38,8 @@ def request_mode(request: scoring_pb2.ScoreRequest) -> str:
     """A metrics label naming what was asked for, e.g. "logprobs+topk"."""
     parts = [name for name, on in (("logprobs", request.logprobs), ("topk", request.topk > 0),
                                    ("hidden_states", request.hidden_states),
-                                   ("score_ids", request.HasField("score_ids"))) if on]
+                                   ("score_ids", request.HasField("score_ids")),
+                                   ("aligned", bool(request.student_tokenizer))) if on]
     return "+".join(parts) or "none"
 
 
@@ -47,7 +48,7 @@ def validate(teacher_set: ReplicaSet, request: scoring_pb2.ScoreRequest, *, max_
     unary answer (None: a streamed one)."""
     info = teacher_set.info
     ids = _token_ids(request, info, teacher_set.name)
-    first_row = _first_row(request, len(ids))
+    first_row = response_first_row(request, len(ids))
     _check_outputs(request, info, teacher_set.name)
     score_ids = _score_ids(request, info, teacher_set.name, first_row, len(ids))
     if max_answer_bytes is not None and request.hidden_states:
@@ -104,7 +105,8 @@ def _token_ids(request: scoring_pb2.ScoreRequest, info: EngineInfo, teacher: str
     return ids
 
 
-def _first_row(request: scoring_pb2.ScoreRequest, count: int) -> int:
+def response_first_row(request: scoring_pb2.ScoreRequest, count: int) -> int:
+    """The first row answered: prompt_length when given (in [1, count - 1]), else 1."""
     if not request.HasField("prompt_length"):
         return 1
     first_row = request.prompt_length
