@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from proctor.client import TeacherClient
 from proctor.server.tiny_model import make_tiny_model
 
+from support.cpu import descendants_cpu, process_cpu
 from support.servers import SubprocessServer
 
 
@@ -64,24 +65,6 @@ class Round:
         return self.cpu_s / self.worker_cpu_s if self.worker_cpu_s else float("nan")
 
 
-def front_cpu(proc: psutil.Process) -> float:
-    """CPU seconds of the front process alone (children, i.e. replica workers, excluded)."""
-    times = proc.cpu_times()
-    return times.user + times.system
-
-
-def workers_cpu(proc: psutil.Process) -> float:
-    """CPU seconds of the front's live descendants (replica workers, vLLM's EngineCore and workers)."""
-    total = 0.0
-    for child in proc.children(recursive=True):
-        try:
-            times = child.cpu_times()
-        except psutil.Error:
-            continue
-        total += times.user + times.system
-    return total
-
-
 async def completions_round(http: httpx.AsyncClient, url: str, model: str, seqs: list[list[int]], topk: int,
                             concurrency: int) -> int:
     """Send every sequence as its own /v1/completions request, `concurrency` at a time; the tokens scored."""
@@ -104,11 +87,11 @@ async def grpc_round(client: TeacherClient, seqs: list[list[int]], topk: int) ->
 
 
 async def measure(proc: psutil.Process, work) -> Round:
-    cpu, workers = front_cpu(proc), workers_cpu(proc)
+    cpu, workers = process_cpu(proc), descendants_cpu(proc)
     started = time.perf_counter()
     tokens = await work()
     seconds = time.perf_counter() - started
-    return Round(seconds, tokens, front_cpu(proc) - cpu, proc.memory_info().rss, workers_cpu(proc) - workers)
+    return Round(seconds, tokens, process_cpu(proc) - cpu, proc.memory_info().rss, descendants_cpu(proc) - workers)
 
 
 def table(name: str, rounds: list[Round]) -> None:

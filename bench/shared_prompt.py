@@ -14,7 +14,8 @@ runs side by side), the tokens the engines computed, measured (`proctor:engine_c
 the torch engine's fed positions, the vLLM pooler's scheduled positions) beside the reuse counter
 (`proctor:prompt_reuse_tokens_total`), CPU-seconds of the serving tree, and the largest difference
 between the reuse-on and reuse-off answers over every row and every returned log-prob (the top-K
-and the actual token's), with the top-K ids compared.
+and the actual token's), with the top-K ids compared, beside the engine's own noise: the reuse-off
+server's answers to the same sequences sent again in reverse order.
 
     python bench/shared_prompt.py [--engines torch,vllm] [--clients trl,openai] [--groups 6] [--n 8]
         [--prompt 1024] [--response 256] [--topk 4] [--concurrency 16] [--repeats 2]
@@ -40,6 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from proctor.server.tiny_model import make_tiny_model
 
+from support.cpu import descendants_cpu, process_cpu
 from support.servers import SubprocessServer
 
 ENGINE_FLAGS = {
@@ -65,16 +67,9 @@ def traffic(groups: int, n: int, prompt: int, response: int, *, shared: bool, se
 
 
 def tree_cpu_seconds(pid: int) -> float:
-    """User + system CPU-seconds of a process and its live descendants (the serving tree)."""
-    total = 0.0
+    """CPU-seconds of the serving tree: the front and its live descendants."""
     root = psutil.Process(pid)
-    for proc in [root, *root.children(recursive=True)]:
-        try:
-            times = proc.cpu_times()
-        except psutil.NoSuchProcess:
-            continue
-        total += times.user + times.system
-    return total
+    return process_cpu(root) + descendants_cpu(root)
 
 
 def counters(server: SubprocessServer) -> dict[str, float]:
@@ -155,6 +150,7 @@ def measure(model_dir: Path, engine: str, args, loads: dict, max_len: int) -> di
     and take turns run by run, so the machine's load drifts over both alike; vLLM servers run one
     at a time (one vLLM engine per machine here)."""
     results: dict[tuple[str, str, bool], list[dict]] = {}
+    baselines: dict[tuple[str, str], dict] = {}
     warm = traffic(1, 4, args.prompt, args.response, shared=False, seed=3)
 
     def rounds(servers: dict[bool, SubprocessServer]) -> None:
@@ -164,6 +160,11 @@ def measure(model_dir: Path, engine: str, args, loads: dict, max_len: int) -> di
             for (client, name), load in loads.items():
                 for reuse, server in servers.items():
                     results.setdefault((client, name, reuse), []).append(run(server, client, load[repeat], args))
+        if False in servers:  # the engine's own noise: the first load again, reuse off, arriving in reverse
+            for (client, name), load in loads.items():
+                again = run(servers[False], client, load[0][::-1], args)
+                again["answers"] = again["answers"][::-1]
+                baselines[client, name] = again
 
     if engine == "vllm":
         for reuse in (True, False):
@@ -181,10 +182,10 @@ def measure(model_dir: Path, engine: str, args, loads: dict, max_len: int) -> di
         finally:
             for server in servers.values():
                 server.stop()
-    return results
+    return results, baselines
 
 
-def report(engine: str, results: dict) -> None:
+def report(engine: str, results: dict, baselines: dict) -> None:
     for (client, name, reuse), done in sorted(results.items()):
         best = max(done, key=lambda r: r["tokens_s"])
         print(f"{engine:6} {client:6} {name:7} {'on' if reuse else 'off':3} {best['wall']:7.2f} {best['tokens_s']:8.0f} "
@@ -198,9 +199,10 @@ def report(engine: str, results: dict) -> None:
             computed = on[0]["engine_computed_tokens"] / off[0]["engine_computed_tokens"]
             cpu = min(r["cpu"] for r in on) / min(r["cpu"] for r in off)
             worst, same_ids = gap(on[0]["answers"], off[0]["answers"])
+            noise, _ = gap(baselines[client, name]["answers"], off[0]["answers"])
             print(f"{engine:6} {client:6} {name:7} on/off: tokens/s {speed:.2f}x, engine-computed tokens "
-                  f"{computed:.2f}x, serving CPU-s {cpu:.2f}x; answers max |on - off| {worst:.1e}, "
-                  f"top-K ids {'equal' if same_ids else 'DIFFER'}")
+                  f"{computed:.2f}x, serving CPU-s {cpu:.2f}x; answers max |on - off| {worst:.1e} "
+                  f"(off again, reversed: {noise:.1e}), top-K ids {'equal' if same_ids else 'DIFFER'}")
 
 
 def main() -> None:
@@ -227,7 +229,7 @@ def main() -> None:
           f"{'computed':>9} {'reused':>9} {'hits':>5} {'misses':>6}   (computed, reused: per scored token)")
     for engine in args.engines.split(","):
         max_len = args.prompt + args.response + 64
-        report(engine, measure(model_dir, engine, args, loads, max_len))
+        report(engine, *measure(model_dir, engine, args, loads, max_len))
 
 
 if __name__ == "__main__":
