@@ -138,6 +138,20 @@ def gap(on: list, off: list) -> tuple[float, bool]:
     return worst, same_ids
 
 
+def float64_error(model_dir: Path, sequences: list[list[int]], answers: list) -> float:
+    """Largest |actual-token log-prob - a float64 forward of the teacher| over these sequences."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float64).eval()
+    worst = 0.0
+    with torch.inference_mode():
+        for ids, (_, _, actual) in zip(sequences, answers, strict=False):
+            tokens = torch.tensor([ids])
+            exact = torch.log_softmax(model(tokens).logits[0, :-1], -1).gather(1, tokens[0, 1:, None])[:, 0]
+            worst = max(worst, float((actual.double() - exact).abs().max()))
+    return worst
+
+
 def serve(model_dir: Path, engine: str, reuse: bool, max_len: int, topk: int) -> SubprocessServer:
     flags = ["--model", str(model_dir), "--dtype", "float32", "--max-model-len", str(max_len), "--max-topk",
              str(topk), *ENGINE_FLAGS[engine], "--inference", f"prompt_reuse={'true' if reuse else 'false'}",
@@ -185,7 +199,7 @@ def measure(model_dir: Path, engine: str, args, loads: dict, max_len: int) -> di
     return results, baselines
 
 
-def report(engine: str, results: dict, baselines: dict) -> None:
+def report(engine: str, results: dict, baselines: dict, model_dir: Path, loads: dict, checked: int) -> None:
     for (client, name, reuse), done in sorted(results.items()):
         best = max(done, key=lambda r: r["tokens_s"])
         print(f"{engine:6} {client:6} {name:7} {'on' if reuse else 'off':3} {best['wall']:7.2f} {best['tokens_s']:8.0f} "
@@ -203,6 +217,11 @@ def report(engine: str, results: dict, baselines: dict) -> None:
             print(f"{engine:6} {client:6} {name:7} on/off: tokens/s {speed:.2f}x, engine-computed tokens "
                   f"{computed:.2f}x, serving CPU-s {cpu:.2f}x; answers max |on - off| {worst:.1e} "
                   f"(off again, reversed: {noise:.1e}), top-K ids {'equal' if same_ids else 'DIFFER'}")
+            if name == "shared" and checked:
+                first = loads[client, name][0][:checked]
+                print(f"{engine:6} {client:6} {name:7} max |log-prob - float64 forward| over {checked} sequences: "
+                      f"reuse on {float64_error(model_dir, first, on[0]['answers']):.1e}, "
+                      f"off {float64_error(model_dir, first, off[0]['answers']):.1e}")
 
 
 def main() -> None:
@@ -216,6 +235,7 @@ def main() -> None:
     parser.add_argument("--topk", type=int, default=4)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--checked", type=int, default=6, help="shared sequences checked against float64")
     args = parser.parse_args()
     model_dir = make_tiny_model(Path(tempfile.mkdtemp()) / "teacher", hidden_size=256, num_layers=4, num_heads=4,
                                 num_kv_heads=2, intermediate_size=512)
@@ -229,7 +249,7 @@ def main() -> None:
           f"{'computed':>9} {'reused':>9} {'hits':>5} {'misses':>6}   (computed, reused: per scored token)")
     for engine in args.engines.split(","):
         max_len = args.prompt + args.response + 64
-        report(engine, *measure(model_dir, engine, args, loads, max_len))
+        report(engine, *measure(model_dir, engine, args, loads, max_len), model_dir, loads, args.checked)
 
 
 if __name__ == "__main__":
