@@ -84,3 +84,30 @@ def test_a_member_retried_on_another_replica_is_exact(server, tiny_model_dir):
     (other,) = [r for r in teacher.replicas if r is not holder]
     assert other.served - before[other.replica_id] == 3
     assert metric_value(server, "proctor:prompt_reuse_misses_total") - misses == 2
+
+
+def test_trls_client_with_no_prompt_length_reuses_each_groups_prompt(server, tiny_model_dir):
+    """TRL's VLLMClient, unmodified: every row from 1, no prompt length on the wire. The replicas find
+    each group's prompt themselves; every row equals the transformers reference."""
+    pytest.importorskip("vllm", reason="TRL's VLLMClient refuses to start without vLLM installed beside it")
+    from trl.generation.vllm_client import VLLMClient
+
+    groups = make_groups([40, 66], 4, response=(2, 12), seed=53)
+    arrivals = interleaved(groups, seed=6)
+    hits, misses = metric_value(server, "proctor:prompt_reuse_hits_total"), metric_value(
+        server, "proctor:prompt_reuse_misses_total")
+    computed = metric_value(server, "proctor:engine_computed_tokens_total")
+    client = VLLMClient(base_url=server.http_url)
+    sequences = [m.token_ids.tolist() for m in arrivals]
+    out = client.get_sequence_logprobs(sequences, [1] * len(sequences), top_logprobs=3, chunk_size=1,
+                                       max_concurrent_requests=4)
+    for index, ids in enumerate(sequences):
+        ref = reference_rows(tiny_model_dir, ids)
+        torch.testing.assert_close(torch.tensor(out["actual_logprobs"][index], dtype=torch.float64)[:, 0],
+                                   ref.logprobs, rtol=0, atol=FP32_ATOL)
+        assert out["logprob_token_ids"][index] == ref.topk(3)[0].tolist()
+    assert metric_value(server, "proctor:prompt_reuse_misses_total") - misses == 2
+    assert metric_value(server, "proctor:prompt_reuse_hits_total") - hits == len(arrivals) - 2
+    # Measured by the engines: a member after its group's first ran positions P-1..T-2 only (T - P).
+    expected = sum(len(s) for s in sequences) - sum(m.prompt_length for g in groups for m in g[1:])
+    assert metric_value(server, "proctor:engine_computed_tokens_total") - computed == expected
