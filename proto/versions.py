@@ -5,7 +5,7 @@ verl, TRL) are the `requires-python`, dependency and extra ranges of pyproject.t
 comments say what ran each one. This module reads them back from proctor's installed metadata
 (`importlib.metadata.requires("proctor")`, `Requires-Python`), so an installed wheel, an editable
 checkout and CI all check against the same table, and no second list of versions exists
-(`vllm_adapter` asks this module too).
+(`engines.vllm.adapter` asks this module too).
 
 `proctor serve` calls `check_engines` before anything is built: every component the configured
 engines need is compared with the table, and a mismatch is one `UnsupportedVersion` naming the

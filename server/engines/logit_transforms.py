@@ -4,7 +4,7 @@ Some families do not score with `lm_head(h)` alone: Gemma-2/3 soft-cap the final
 (`final_logit_softcapping`: `tanh(x / c) * c`), Cohere/Command-R multiply them by `logit_scale`,
 Granite divides them by `logits_scaling`. An lm_head bias is part of the head module itself. The
 torch engine applies these (`apply`) after the head and then checks at start that its path
-reproduces the model's own forward (`torch_engine`), refusing a model it cannot reproduce; vLLM's
+reproduces the model's own forward (`torch.engine`), refusing a model it cannot reproduce; vLLM's
 scoring pooler needs none of this (it calls the model's own `compute_logits`); vLLM-Omni's
 hidden-state score_ids refuse a model with any transform (`describe` names it).
 """

@@ -222,7 +222,7 @@ class TorchEngine(TeacherEngine):
         if model is None:
             raise EngineError("engine not started")
         with self._lock, torch.inference_mode():
-            # Requests with media run the full model one by one (torch_media); text ones below.
+            # Requests with media run the full model one by one (torch.media); text ones below.
             states: list = [TorchMedia.states(model, r, prepared[r.key]) if prepared and r.key in prepared else None
                             for r in batch]
             views = list(batch)  # each request as the forward computes it (a follower's rows start later)

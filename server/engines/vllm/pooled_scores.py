@@ -2,7 +2,7 @@
 
 Both halves live here, with no vLLM import, because they run in two processes: the ask is
 written by the vLLM engine (replica worker) into `PoolingParams.extra_kwargs["proctor"]`, read
-by the pooler (`vllm_scoring_model`, inside vLLM's model worker); the answer is packed there
+by the pooler (`vllm.scoring_model`, inside vLLM's model worker); the answer is packed there
 into one uint8 tensor (vLLM's pooling output travels as a tensor per request) and unpacked in
 the replica worker as zero-copy views.
 

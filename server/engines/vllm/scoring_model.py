@@ -78,7 +78,7 @@ def scoring_model_class(base_architecture: str) -> type:
 
     return type(scoring_architecture(base_architecture), (base, pooling), {
         "__init__": __init__,
-        "__doc__": f"vLLM's {base_architecture} scored by proctor's pooler (vllm_scoring_model).",
+        "__doc__": f"vLLM's {base_architecture} scored by proctor's pooler (vllm.scoring_model).",
         "__module__": __name__,
         "is_pooling_model": True,
         "default_tok_pooling_type": "ALL",

@@ -32,7 +32,7 @@ Faults, in the terms of `base.py` (see `classify_stage_error` for the message sh
 - start-up: a deadline from `EngineSpec.startup_timeout_s`, for vLLM-Omni and around it
   (`startup`).
 
-Why not the vLLM engine's scoring pooler (`vllm_scoring_model`): vLLM-Omni's entry point submits
+Why not the vLLM engine's scoring pooler (`vllm.scoring_model`): vLLM-Omni's entry point submits
 generation requests only — `AsyncOmni.encode()` raises NotImplementedError ("encode() is not
 implemented for AsyncOmni"), so no PoolingParams (and no per-request ask) reaches a stage — and
 its AR model runner already uses `ModelRunnerOutput.pooler_output` for the stage's hidden-state

@@ -9,7 +9,7 @@ is the slice start[i]:end[i] of flat lists, the actual token first and then rank
 so K+1 entries even when the actual token is one of the K. The dict form
 (`list[dict[int, Logprob] | None]`, what older vLLM and vLLM-Omni stages may return) collapses
 that duplicate, so a position has K or K+1 entries; both forms are handled. (vLLM-Omni's AR
-stage answers this way; the vLLM engine scores on the device instead, `vllm_scoring_model`.)
+stage answers this way; the vLLM engine scores on the device instead, `vllm.scoring_model`.)
 """
 
 from __future__ import annotations
