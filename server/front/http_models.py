@@ -245,6 +245,8 @@ class ScoreBody(WireModel):
         None, description="divides the teacher's logits before the log-softmax")
     score_ids: Annotated[scoring_pb2.Tensor | None, checked(_score_ids, list[list[Int32]] | None)] = Field(
         None, description="per row, the ids whose log-probs to answer (rows may be ragged)")
+    replica: str | None = Field(None, description="pin to this replica of the teacher (a replica_id of "
+                                "/v1/teachers), with no failover: for comparing replicas")
 
     @model_validator(mode="before")
     @classmethod
@@ -275,4 +277,6 @@ class ScoreBody(WireModel):
             request.temperature = self.temperature
         if self.score_ids is not None:
             request.score_ids.CopyFrom(self.score_ids)
+        if self.replica:
+            request.replica = self.replica
         return request
