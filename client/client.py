@@ -80,6 +80,9 @@ class TeacherInfo:
     media: tuple[str, ...]
     replicas: tuple[tuple[str, str], ...] = ()  # (replica_id, state)
     score_ids_method: str = ""  # how score_ids are scored; "" when not served
+    batch_invariant: bool = False  # scores independent of batch, padding and replica
+    max_drift: float | None = None  # the drift check's bound (None: replicas are not checked)
+    drift: tuple[tuple[str, float], ...] = ()  # (replica_id, its latest drift) for replicas checked
 
     @classmethod
     def from_wire(cls, info: scoring_pb2.TeacherInfo) -> TeacherInfo:
@@ -88,7 +91,9 @@ class TeacherInfo:
             hidden_size=info.hidden_size, max_model_len=info.max_model_len, max_topk=info.max_topk,
             outputs=tuple(info.outputs), keys=tuple(info.keys), engine=info.engine, dtype=dtype_name(info.dtype),
             media=tuple(info.media), replicas=tuple((r.replica_id, r.state) for r in info.replicas),
-            score_ids_method=info.score_ids_method,
+            score_ids_method=info.score_ids_method, batch_invariant=info.batch_invariant,
+            max_drift=info.max_drift if info.HasField("max_drift") else None,
+            drift=tuple((r.replica_id, r.drift) for r in info.replicas if r.HasField("drift")),
         )
 
 
@@ -143,7 +148,8 @@ class RequestFields(TypedDict, total=False):
     (default True), `topk` (default 0) and `hidden_states` (default False) choose the answer;
     images / videos / audios and `mm_processor_kwargs` carry a multimodal prompt; `score_ids`
     ([R, K], -1 pads) asks for the teacher's log-probs at those ids; `temperature` divides the
-    teacher's logits (None: 1); `request_id` defaults to a fresh uuid.
+    teacher's logits (None: 1); `request_id` defaults to a fresh uuid; `replica` pins the sequence
+    to that replica of the teacher (a ListTeachers replica id), with no failover (`proctor verify`).
     """
 
     teacher_key: str | None
@@ -158,6 +164,7 @@ class RequestFields(TypedDict, total=False):
     request_id: str | None
     score_ids: ScoreIds | None
     temperature: float | None
+    replica: str | None
 
 
 def score_ids_tensor(score_ids: ScoreIds, first_row: int) -> scoring_pb2.Tensor:
@@ -288,6 +295,7 @@ class TeacherClient:
             videos=to_wire_media(fields.get("videos"), "videos"),
             audios=to_wire_media(fields.get("audios"), "audios"),
             mm_processor_kwargs=processor_kwargs_json(fields.get("mm_processor_kwargs")),
+            replica=fields.get("replica") or "",
         )
         prompt_length = fields.get("prompt_length")
         if prompt_length is not None:

@@ -203,6 +203,34 @@ def score(
     typer.echo(format_table(token_ids, result, tok))
 
 
+@app.command()
+def verify(
+    target: str = typer.Option(..., help="grpc://host:port or http://host:port of a running server."),
+    threshold: float | None = typer.Option(None, help="Largest max |delta log-prob| a replica may show [default: "
+                                           "0 for a batch-invariant teacher, else its max_drift]."),
+    sequences: Path | None = typer.Option(None, help="JSON file of token-id sequences [default: built in]."),
+    token: str | None = typer.Option(None, envvar="PROCTOR_AUTH_TOKEN", help="Bearer token."),
+) -> None:
+    """Score the same sequences on every replica of a running server, alone and in mixed batches;
+    print max |delta log-prob| per replica and batch size; exit 1 naming a replica above the threshold."""
+    from proctor.client import TeacherError
+    from proctor.client.verify import read_sequences
+    from proctor.client.verify import verify as verify_server
+
+    try:
+        reports = asyncio.run(verify_server(target, threshold=threshold, token=token,
+                                            sequences=read_sequences(sequences) if sequences else None))
+    except (TeacherError, ValueError, OSError) as exc:
+        typer.echo(f"proctor verify: {exc}", err=True)
+        raise typer.Exit(1) from None
+    for report in reports:
+        typer.echo(report.table() + "\n")
+    failures = [line for report in reports for line in report.failures()]
+    for line in failures:
+        typer.echo(f"proctor verify: {line}", err=True)
+    raise typer.Exit(1 if failures else 0)
+
+
 @app.command("make-tiny-model")
 def make_tiny_model_cmd(
     out_dir: Path = typer.Argument(..., help="Directory to write the model into."),

@@ -45,7 +45,7 @@ def check_batch_invariant(engine: str, device: str) -> None:
             f"with inference.name=torch or vllm, or remove {KEY}")
     if engine == "vllm" and kind not in BATCH_INVARIANT_DEVICES:
         raise EngineConfigError(
-            f"inference.{KEY}: vLLM {SUPPORTED_VLLM}'s batch-invariant mode ({BATCH_INVARIANT_ENV}) runs on "
+            f"inference.{KEY}: vLLM {'/'.join(SUPPORTED_VLLM)}'s batch-invariant mode ({BATCH_INVARIANT_ENV}) runs on "
             f"{', '.join(BATCH_INVARIANT_DEVICES)} devices, and this replica runs on {kind} (the platform has "
             "no batch-invariant kernels in vLLM); serve the teacher with inference.name=torch, which is "
             f"batch-invariant on every device, or remove {KEY}")
