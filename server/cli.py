@@ -1,4 +1,5 @@
-"""The `proctor` command: serve a teacher, score from the shell, build the tiny teacher, demo.
+"""The `proctor` command: serve a teacher, score from the shell, verify a deployment's replicas,
+build the tiny teacher, demo.
 
 This is the one module that may compose the server and the trainer side: `proctor demo`
 imports `proctor.trainer_adapter` inside its command only, so the server package itself
@@ -210,14 +211,17 @@ def verify(
                                            "0 for a batch-invariant teacher, else its max_drift]."),
     sequences: Path | None = typer.Option(None, help="JSON file of token-id sequences [default: built in]."),
     token: str | None = typer.Option(None, envvar="PROCTOR_AUTH_TOKEN", help="Bearer token."),
+    token_file: Path | None = typer.Option(None, envvar="PROCTOR_AUTH_TOKEN_FILE", help="File holding the bearer token."),
 ) -> None:
     """Score the same sequences on every replica of a running server, alone and in mixed batches;
     print max |delta log-prob| per replica and batch size; exit 1 naming a replica above the threshold."""
     from proctor.client import TeacherError
     from proctor.client.verify import read_sequences
     from proctor.client.verify import verify as verify_server
+    from proctor.server.front.auth import load_token
 
     try:
+        token = load_token(token, str(token_file) if token_file else None)
         reports = asyncio.run(verify_server(target, threshold=threshold, token=token,
                                             sequences=read_sequences(sequences) if sequences else None))
     except (TeacherError, ValueError, OSError) as exc:
