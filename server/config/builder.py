@@ -35,6 +35,11 @@ def _replica_spec(spec: EngineSpec, group: ReplicaGroupPlan, kind: str, *, in_pr
     return replace(spec, device=device, devices=tuple(str(d) for d in group.local_devices))
 
 
+def _drift(spec: EngineSpec, *, swapped: bool) -> DriftSettings | None:
+    """A teacher's drift check; none for a teacher sharing devices (each check would swap its weights in)."""
+    return None if swapped else DriftSettings.from_inference(spec.inference)
+
+
 def build_router(plan: ServingPlan) -> Router:
     """Teachers with their replicas (in-process engines, swap groups or Ray actors) behind a Router."""
     from proctor.server.engines.factory import create_replica_engine
@@ -86,9 +91,7 @@ def build_router(plan: ServingPlan) -> Router:
                     swap_groups=tuple({id(g): g for g in swap_groups.values() if name in g.specs}.values()),
                     prompt_reuse=ReuseSettings.from_inference(resolved.spec.inference),
                     tokenizer_path=resolved.spec.model_path,
-                    # A swapped teacher is not checked: each check would swap its weights in.
-                    drift=None if any(name in g.specs for g in swap_groups.values())
-                    else DriftSettings.from_inference(resolved.spec.inference),
+                    drift=_drift(resolved.spec, swapped=any(name in g.specs for g in swap_groups.values())),
                 )
             )
     except BaseException:  # nothing will own the pool's placement groups: release them now
