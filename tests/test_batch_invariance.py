@@ -30,7 +30,7 @@ from support.servers import start_server
 
 TOPK = 5
 PROBES = sequences(16, seed=27, length=(8, 160))  # the 16 sequences checked
-OTHERS = sequences(16, seed=28, length=(3, 200))  # their batch-mates (mixed lengths)
+OTHERS = sequences(16, seed=28, length=(6, 200))  # their batch-mates (mixed lengths)
 
 
 def _request(index: int, ids: list[int]) -> EngineRequest:

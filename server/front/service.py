@@ -232,7 +232,7 @@ class ScoringService:
         """The teacher's output embedding [V, H] and its fingerprint, fetched off the loop."""
         self._check_serving()
         teacher_set = self.router.route(teacher_key)
-        replica = next((r for r in teacher_set.healthy() if r.engine is not None), None)
+        replica = next((r for r in teacher_set.in_service() if r.engine is not None), None)
         if replica is None:
             raise ScoringError(Code.UNAVAILABLE, f"teacher {teacher_set.name!r} has no healthy replica",
                                retry_after=teacher_set.retry_hint())
