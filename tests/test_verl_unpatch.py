@@ -24,6 +24,7 @@ def _targets() -> list[tuple[Any, str]]:
     import verl.trainer.distillation.losses as losses
     import verl.trainer.main_ppo_v0 as v0
     import verl.trainer.ppo.v1.trainer_base as v1
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
     from verl.experimental.fully_async_policy.fully_async_rollouter import FullyAsyncRollouter
     from verl.single_controller.ray import ResourcePoolManager
 
@@ -38,6 +39,7 @@ def _targets() -> list[tuple[Any, str]]:
         (v0.BaseTaskRunner, "init_resource_pool_mgr"),
         (v0.BaseTaskRunner, "add_teacher_model_resource_pool"),
         (FullyAsyncRollouter.__ray_actor_class__, "_create_teacher_model_manager"),
+        (AgentLoopWorker, "_compute_teacher_logprobs"),
         (losses, "compute_topk_loss"),
     ]
 

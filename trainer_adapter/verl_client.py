@@ -24,6 +24,7 @@ functions that need it, so that this module loads where verl is not installed.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import io
 import os
 from collections.abc import Mapping, Sequence
@@ -37,6 +38,24 @@ from proctor.client.loss.settings import config_value
 from proctor.trainer_adapter.verl_layout import verl_hidden_rows, verl_rows
 
 DEFAULT_TOKEN_ENV = "PROCTOR_AUTH_TOKEN"
+
+# The prompt/response split of the sequence verl's agent loop is having scored: verl's teacher call
+# (`compute_teacher_logprobs_single` → `generate(prompt_ids=prompt + response)`) passes the whole
+# sequence only, so `patch_verl` sets this around `AgentLoopWorker._compute_teacher_logprobs`, which
+# knows both parts, and `generate` sends the prompt's length: the server then computes no prompt
+# rows into outputs, and reuse keys on the prompt (it finds shared prefixes without it too).
+SEQUENCE_SPLIT: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar(
+    "proctor_sequence_split", default=None)
+
+
+def prompt_length_of(sequence_length: int) -> int | None:
+    """The prompt length verl's agent loop gave for a sequence of this length (None: unknown, or
+    another sequence's split)."""
+    split = SEQUENCE_SPLIT.get()
+    if split is None:
+        return None
+    prompt, total = split
+    return prompt if total == sequence_length and 0 < prompt < total else None
 
 
 @dataclass
@@ -152,13 +171,16 @@ class ProctorTeacherClient:
         **kwargs: Any,
     ) -> Any:
         """Score `prompt_ids` (verl's whole prompt + response) and answer as verl's vLLM
-        teacher would: `extra_fields["prompt_ids"/"prompt_logprobs"]`, [T, max(K, 1)]."""
+        teacher would: `extra_fields["prompt_ids"/"prompt_logprobs"]`, [T, max(K, 1)]. Where verl's
+        agent loop said where the prompt ends (`SEQUENCE_SPLIT`), only the response rows and the
+        last prompt token's are scored; the prompt rows before it are zeros, which verl masks."""
         topk = sampling_params.get("prompt_logprobs")
         if topk is None:
             raise ValueError("proctor answers teacher requests only: sampling_params needs 'prompt_logprobs'")
         scores = await self.client().score(
             prompt_ids,
             teacher_key=self.teacher_key,
+            prompt_length=prompt_length_of(len(prompt_ids)),
             logprobs=True,
             topk=int(topk),
             hidden_states=self.hidden_states,

@@ -29,7 +29,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from proctor.trainer_adapter.verl_client import ProctorTeacherModelManager, proctor_serves_teachers
+from proctor.trainer_adapter.verl_client import (
+    SEQUENCE_SPLIT,
+    ProctorTeacherModelManager,
+    proctor_serves_teachers,
+)
 
 __all__ = ["VerlPatch", "applied_patches", "patch_verl", "unpatch_verl"]
 
@@ -205,6 +209,30 @@ def _patch_fully_async_rollouter() -> None:
     _replace(rollouter, "_create_teacher_model_manager", _create_teacher_model_manager)
 
 
+def _with_sequence_split(verl_compute: Callable[..., Any]) -> Callable[..., Any]:
+    """verl's per-sample teacher call, with the sample's prompt/response split made known to
+    `ProctorTeacherClient.generate` (`verl_client.SEQUENCE_SPLIT`) for the duration of the call."""
+
+    async def _compute_teacher_logprobs(self: Any, output: Any, prompt_ids: Any, response_ids: Any,
+                                        *args: Any, **kwargs: Any) -> Any:
+        token = SEQUENCE_SPLIT.set((len(prompt_ids), len(prompt_ids) + len(response_ids)))
+        try:
+            return await verl_compute(self, output, prompt_ids, response_ids, *args, **kwargs)
+        finally:
+            SEQUENCE_SPLIT.reset(token)
+
+    return _mark(_compute_teacher_logprobs, verl_compute)
+
+
+def _patch_agent_loop() -> None:
+    """The agent loop's teacher call tells proctor's client where each sample's prompt ends."""
+    try:
+        from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+    except ImportError:
+        return
+    _replace(AgentLoopWorker, "_compute_teacher_logprobs", _with_sequence_split)
+
+
 def _patch_losses() -> None:
     """proctor's top-k modes in verl's logits processor, and registered so verl's config accepts
     them and its top-k loss function turns the processor's outputs into metrics."""
@@ -243,6 +271,7 @@ def patch_verl() -> tuple[VerlPatch, ...]:
         _patch_teacher_managers()
         _patch_resource_pools()
         _patch_fully_async_rollouter()
+        _patch_agent_loop()
         _patch_losses()
         return applied_patches()
 

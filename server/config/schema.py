@@ -94,11 +94,12 @@ class InferenceConfig(ConfigBlock):
     # lazily on first use for a vLLM teacher), and how long a replica may take to start.
     hidden_states: bool | None = None
     startup_timeout_s: float = Field(1800.0, gt=0)
-    # Shared-prompt reuse (`proctor.server.prompt_reuse`): on for prompts of at least min_tokens.
+    # Shared-prefix reuse (`proctor.server.prompt_reuse`): on for shared prefixes of at least min_tokens.
     prompt_reuse: bool = _REUSE.enabled
     prompt_reuse_min_tokens: int = Field(_REUSE.min_tokens, ge=1)
     prompt_reuse_memory_mb: float = Field(_REUSE.memory_bytes / (1 << 20), ge=0)
     prompt_reuse_ttl_s: float = Field(_REUSE.ttl_s, ge=0)
+    prompt_reuse_block_tokens: int = Field(_REUSE.block_tokens, ge=1)
     # Scores that do not depend on the batch, padding or replica (`engines/invariance.py`; reuse off).
     batch_invariant: bool = False
     # The replicas' drift check on fixed canaries (`front/drift.py`); interval null: no check.

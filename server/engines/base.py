@@ -3,10 +3,11 @@
 An engine scores a *batch* of requests at once. The service hands it whatever it has
 batched; an engine with its own scheduler (vLLM) fans the batch out, the torch engine pads
 it into one forward pass. A batch is a list, not one request at a time, so that an engine can
-spot requests that share a prompt (the n responses of one GRPO group: equal token ids up to
-their `first_row`) and prefill that prompt once (`proctor.server.prompt_reuse`; the torch engine
-keeps the prompt's KV cache, the vLLM engine reads vLLM's prefix cache where that is safe). Results follow the row convention of the wire contract: row i is about
-token i given tokens 0..i-1, rows `first_row..T-1` are returned.
+spot requests that share a prefix (the n responses of one GRPO group: equal leading token ids,
+found by the engine, no prompt length needed) and prefill it once (`proctor.server.prompt_reuse`;
+the torch engine keeps the KV cache, the vLLM engine reads vLLM's prefix cache where that is
+safe). Results follow the row convention of the wire contract: row i is about token i given tokens
+0..i-1, rows `first_row..T-1` are returned.
 """
 
 from __future__ import annotations
@@ -47,10 +48,8 @@ class MediaItem:
 class MultiModalInputs:
     """Media attached to a sequence; engines that take none refuse a non-empty one.
 
-    `decoded` is filled by the service before admission (`proctor.server.media.decode_media`,
-    off the event loop, with size and frame limits): vLLM's `multi_modal_data` form
-    (`{"image": [PIL.Image, ...], "audio": [(waveform, rate), ...], "video": [...]}`), so an
-    undecodable item is refused before it reaches a replica and no engine decodes bytes itself.
+    `decoded` is filled by the service before admission (`media.decode_media`, off the event loop,
+    bounded) in vLLM's `multi_modal_data` form, so no engine decodes bytes itself.
     """
 
     images: tuple[MediaItem, ...] = ()
@@ -113,9 +112,10 @@ class EngineResult:
     # engines that know it, beside logprobs: what vLLM-shaped answers report as `rank`.
     ranks: torch.Tensor | None = None
     score_logprobs: torch.Tensor | None = None  # float32 [R, K], -inf at padded score_ids
-    # Prompt tokens this request did not recompute because its prompt was shared (0: its prompt
-    # was computed; None: reuse did not apply to it). The replica reports it to the metrics.
+    # Prefix tokens not recomputed, shared with an earlier request (0: computed whole; None: reuse
+    # did not apply), and token positions the engine ran for it (its own count; None: not known).
     prompt_reused_tokens: int | None = None
+    computed_tokens: int | None = None
     # Set by the batcher: time spent waiting for a batch, and the batch's engine time.
     queue_seconds: float = 0.0
     engine_seconds: float = 0.0

@@ -174,6 +174,8 @@ class Replica:
         self.sink.replica_scored(self.teacher, self.replica_id)
         if result.prompt_reused_tokens is not None:
             self.sink.prompt_reused(self.teacher, result.prompt_reused_tokens)
+        if result.computed_tokens is not None:
+            self.sink.engine_computed(self.teacher, result.computed_tokens)
         return result
 
 

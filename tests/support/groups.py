@@ -62,14 +62,18 @@ def interleaved(groups: list[list[Member]], seed: int = 0) -> list[Member]:
 
 
 def request_of(member: Member, *, topk: int = 0, hidden: bool = False, score_ids: bool = False,
-               temperature: float = 1.0) -> EngineRequest:
+               temperature: float = 1.0, whole: bool = False) -> EngineRequest:
+    """The member as an engine request: rows from its prompt length, or with `whole` every row from
+    1 (a client that sends no prompt length: verl's teacher loop, `/v1/completions`). Its score_ids
+    depend on the row and the group only, as a student's top-k over a shared prompt would."""
+    first_row = 1 if whole else member.prompt_length
     ids = None
     if score_ids:
-        rows = member.token_ids.shape[0] - member.prompt_length
-        ids = (torch.arange(rows * 3).reshape(rows, 3) * 7 + member.group) % 500
-        ids[::2, 2] = -1
+        rows = member.token_ids.shape[0] - first_row
+        ids = ((torch.arange(first_row, first_row + rows)[:, None] * 3 + torch.arange(3)) * 7 + member.group) % 500
+        ids[(torch.arange(first_row, first_row + rows) % 2) == 0, 2] = -1
     return EngineRequest(
-        request_id=f"g{member.group}m{member.index}", token_ids=member.token_ids, first_row=member.prompt_length,
+        request_id=f"g{member.group}m{member.index}", token_ids=member.token_ids, first_row=first_row,
         logprobs=True, topk=topk, hidden_states=hidden, score_ids=ids, temperature=temperature,
     )
 

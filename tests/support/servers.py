@@ -39,6 +39,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def metric_value(server: ServerThread, name: str) -> float:
+    """One sample of the server's metrics, summed over its label sets (0 when absent)."""
+    text = server.server.service.metrics.render().decode()
+    return sum(float(found) for found in re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.MULTILINE))
+
+
 def request_count(server: ServerThread, outcome: str) -> float:
     """proctor:requests_total summed over teachers and modes for one outcome."""
     text = server.server.service.metrics.render().decode()

@@ -38,7 +38,14 @@ from proctor.server.engines.row_scores import score_rows
 from proctor.server.engines.torch import invariant
 from proctor.server.engines.torch.loading import build
 from proctor.server.engines.torch.media import PreparedMedia, TorchMedia, is_multimodal, load_multimodal_model
-from proctor.server.engines.torch.prefix import TorchPrefix, batch_cache, reuse_works, supports_prompt_cache
+from proctor.server.engines.torch.prefix import (
+    PrefixPass,
+    ReusePlan,
+    TorchPrefix,
+    batch_cache,
+    supports_prompt_cache,
+)
+from proctor.server.engines.torch.reuse_probe import reuse_works
 from proctor.server.fingerprint import model_fingerprint
 from proctor.server.prompt_reuse import ReuseSettings
 
@@ -219,39 +226,38 @@ class TorchEngine(TeacherEngine):
         if model is None:
             raise EngineError("engine not started")
         with self._lock, torch.inference_mode():
-            results = [EngineResult(first_row=r.first_row) for r in batch]
             # Requests with media run the full model one by one (torch_media); text ones below.
-            states: list[torch.Tensor | None] = [
-                TorchMedia.states(model, r, prepared[r.key]) if prepared and r.key in prepared else None
-                for r in batch
-            ]
+            states: list = [TorchMedia.states(model, r, prepared[r.key]) if prepared and r.key in prepared else None
+                            for r in batch]
+            views = list(batch)  # each request as the forward computes it (a follower's rows start later)
             text = [i for i, rows in enumerate(states) if rows is None]
-            if text:
-                for i, rows in zip(text, self._text_states([batch[i] for i in text], [results[i] for i in text]),
-                                   strict=True):
-                    states[i] = rows
+            reuse = self._text_states([batch[i] for i in text]) if text else None
+            if reuse is not None:
+                for slot, i in enumerate(text):
+                    states[i], views[i] = reuse.states[slot], reuse.views[slot]
+            results = [EngineResult(first_row=v.first_row, computed_tokens=v.num_tokens) for v in views]
             # A media request the model itself could not place is that request's error alone.
             kept = [i for i, rows in enumerate(states) if not isinstance(rows, RequestRejected)]
             for i in kept:
-                if batch[i].hidden_states:
+                if views[i].hidden_states:
                     results[i].hidden_states = states[i].to("cpu").clone()
             head = invariant.per_request(self._head_outputs) if self._invariant else self._head_outputs
-            head(model, [batch[i] for i in kept], [states[i] for i in kept], [results[i] for i in kept])
+            head(model, [views[i] for i in kept], [states[i] for i in kept], [results[i] for i in kept])
+            if reuse is not None and self._prefix is not None:
+                for i, result in zip(text, self._prefix.finish(reuse, [results[i] for i in text]), strict=True):
+                    results[i] = result
             return [states[i] if isinstance(states[i], RequestRejected) else results[i] for i in range(len(batch))]
 
-    def _text_states(self, batch: list[EngineRequest], results: list[EngineResult]) -> list[torch.Tensor]:
+    def _text_states(self, batch: list[EngineRequest]) -> PrefixPass:
         """Rows of hidden states for text-only requests: one padded pass of the decoder body,
-        shared prompts from their cached KV (torch_prefix) when prompt reuse is on."""
+        shared prefixes from their kept KV (torch.prefix) when prompt reuse is on."""
         body = self._model.get_decoder()
         if self._invariant:  # batch-invariant: one unpadded pass per sequence (torch/invariant.py)
             self.forward_passes += len(batch)
-            return invariant.sequence_states(body, batch)
+            return PrefixPass(ReusePlan(), batch, invariant.sequence_states(body, batch), list(batch))
         if self._prefix is None:
-            return self._padded_pass(body, batch, False)[0]
-        states, reused = self._prefix.states(body, batch, self._padded_pass)
-        for result, tokens in zip(results, reused, strict=True):
-            result.prompt_reused_tokens = tokens
-        return states
+            return PrefixPass(ReusePlan(), batch, self._padded_pass(body, batch, False)[0], list(batch))
+        return self._prefix.states(body, batch, self._padded_pass)
 
     def _padded_pass(self, body, batch: list[EngineRequest], keep_cache: bool) -> tuple[list[torch.Tensor], object]:
         """One right-padded pass of the decoder body: each request's rows first_row..T-1 of

@@ -40,7 +40,7 @@ from proctor.server.engines.vllm.errors import input_error
 from proctor.server.engines.vllm.family import PROBE_TIMEOUT_S, VllmFamilyEngine
 from proctor.server.engines.vllm.media import VllmMedia
 from proctor.server.engines.vllm.pooled_scores import PooledScores, ScoreAsk, unpack
-from proctor.server.engines.vllm.prefix import KeptRow, PoolerAnswer, PrefixLane
+from proctor.server.engines.vllm.prefix import KeptRow, PoolerAnswer, PrefixLane, kept_row
 from proctor.server.engines.vllm.scoring_model import scoring_architecture
 from proctor.server.prompt_reuse import ReuseSettings
 
@@ -142,13 +142,12 @@ class VllmEngine(VllmFamilyEngine):
 
     # -- scoring ---------------------------------------------------------------------------
     async def _score_one(self, request: EngineRequest) -> EngineResult:
-        lane = self._lane if self._lane is not None and self._reuse.applies(request) else None
-        if lane is None:
-            scored = await self._encode(request, read_cache=False)
-            return self._result(request, scored.pooled, reused=None)
-        answer = await lane.run(request, lambda read, keep: self._encode(request, read_cache=read, keep_row=keep),
-                                lambda: self._prompt_row(request))
-        return self._result(request, answer.scored.pooled, reused=answer.reused_tokens, row=answer.row)
+        if self._lane is not None and self._reuse.applies(request):
+            return await self._lane.run(request, self)
+        answer = await self.encode(request, read_cache=False)
+        result = self.computed_rows(request, answer.pooled)
+        result.computed_tokens = answer.positions
+        return result
 
     def _ask(self, request: EngineRequest, *, keep_row: int = 0) -> ScoreAsk:
         score_ids = b"" if request.score_ids is None else np.ascontiguousarray(
@@ -164,10 +163,11 @@ class VllmEngine(VllmFamilyEngine):
             keep_row=keep_row,
         )
 
-    async def _encode(self, request: EngineRequest, *, read_cache: bool, keep_row: bool = False) -> PoolerAnswer:
+    async def encode(self, request: EngineRequest, *, read_cache: bool, keep_row: int = 0) -> PoolerAnswer:
+        """One pooled prefill of the request; `read_cache` lets vLLM skip its cached prefix,
+        `keep_row` asks the pooler to keep that row's raw logits and hidden state."""
         _, _, PoolingParams, _ = engine_classes()
-        ask = self._ask(request, keep_row=request.first_row if keep_row else 0)
-        params = PoolingParams(task=SCORING_TASK, extra_kwargs=ask.to_kwargs(),
+        params = PoolingParams(task=SCORING_TASK, extra_kwargs=self._ask(request, keep_row=keep_row).to_kwargs(),
                                skip_reading_prefix_cache=not read_cache)
         try:  # media: collapsed, expanded, checked (vLLM's processor runs on the request's own items)
             prompt = await self._media.rendered(self._llm, request)
@@ -177,24 +177,21 @@ class VllmEngine(VllmFamilyEngine):
                 raise
             raise outcome from exc
         final = await self._final(self._llm.encode(prompt, params, request_id=engine_request_id(request)))
-        try:
-            pooled = unpack(final.outputs.data)
-        except ValueError as exc:
-            raise EngineError(f"vLLM's scoring answer is malformed: {exc}") from exc
-        return PoolerAnswer(pooled, int(getattr(final, "num_cached_tokens", 0) or 0))
+        return _answer(final)
 
-    async def _prompt_row(self, request: EngineRequest) -> KeptRow:
-        """Row P's raw logits and hidden state from the prompt alone (its last position is always computed)."""
+    async def prefix_row(self, request: EngineRequest, length: int) -> tuple[KeptRow, int]:
+        """Row `length`'s raw logits and hidden state from the request's first `length` tokens alone
+        (their last position is always computed), and the positions that took."""
         _, _, PoolingParams, TokensPrompt = engine_classes()
-        prompt_length = request.first_row
-        ask = ScoreAsk(first_row=prompt_length, scores=False, keep_row=prompt_length)
+        ask = ScoreAsk(first_row=length, scores=False, keep_row=length)
         params = PoolingParams(task=SCORING_TASK, extra_kwargs=ask.to_kwargs(), skip_reading_prefix_cache=False)
-        prompt = TokensPrompt(prompt_token_ids=request.token_ids[:prompt_length].tolist())
-        final = await self._final(self._llm.encode(prompt, params, request_id=engine_request_id(request) + "-prompt"))
-        pooled = unpack(final.outputs.data)
-        if pooled.kept_logits is None or pooled.kept_hidden is None:
-            raise EngineError("vLLM's answer for a prompt alone lacks its last position's row")
-        return KeptRow(pooled.kept_logits.clone(), pooled.kept_hidden.clone())
+        prompt = TokensPrompt(prompt_token_ids=request.token_ids[:length].tolist())
+        final = await self._final(self._llm.encode(prompt, params, request_id=f"{engine_request_id(request)}-p{length}"))
+        answer = _answer(final)
+        row = kept_row(answer.pooled)
+        if row is None:
+            raise EngineError("vLLM's answer for a prefix alone lacks its last position's row")
+        return row, answer.positions
 
     @staticmethod
     async def _final(outputs):
@@ -205,42 +202,55 @@ class VllmEngine(VllmFamilyEngine):
             raise EngineError("vLLM returned no output")
         return final
 
-    def _result(self, request: EngineRequest, pooled: PooledScores, *, reused: int | None,
-                row: KeptRow | None = None) -> EngineResult:
-        """The request's result from the pooler's rows, with row P from `row` when the answer
-        starts at P + 1 (a fully cached prompt)."""
-        start = request.first_row + (1 if row is not None else 0)
-        if pooled.first_row != start or pooled.n != request.num_tokens - start:
+    def computed_rows(self, request: EngineRequest, pooled: PooledScores) -> EngineResult:
+        """The rows the pooler computed (`pooled.first_row`..T-1, at least the request's first row
+        on), as the request asked them."""
+        start = pooled.first_row
+        if start < request.first_row or pooled.n != request.num_tokens - start:
             raise EngineError(f"vLLM's scoring answer holds rows {pooled.first_row}..+{pooled.n}, "
                               f"expected {start}..{request.num_tokens - 1}")
-        result = EngineResult(first_row=request.first_row, prompt_reused_tokens=reused)
-        parts = [_kept_row_scores(request, row, self._dtype)] if row is not None else []
-        parts.append(pooled)
-        if request.logprobs:
-            result.logprobs = _joined(parts, "logprobs")
-            result.ranks = _joined(parts, "ranks").to(torch.int64)
-        if request.topk:
-            result.topk_ids, result.topk_logprobs = _joined(parts, "topk_ids"), _joined(parts, "topk_logprobs")
-        if request.score_ids is not None:
-            result.score_logprobs = _joined(parts, "score_logprobs")
-        if request.hidden_states:
-            result.hidden_states = _joined(parts, "hidden").to(self._dtype)
+        result = EngineResult(first_row=start)
+        _fill(result, request, pooled, self._dtype)
+        return result
+
+    def kept_row(self, request: EngineRequest, row: KeptRow, index: int) -> EngineResult:
+        """Row `index` of the request from the raw logits kept at position index-1, by the same rule
+        the pooler scores by."""
+        target = request.token_ids[index : index + 1]
+        temperatures = None if request.temperature == 1.0 else torch.tensor([request.temperature])
+        offset = index - request.first_row
+        score_ids = None if request.score_ids is None else request.score_ids[offset : offset + 1]
+        scores = score_rows(lambda h: h, row.logits[None], target, topk=request.topk,
+                            temperatures=temperatures, score_ids=score_ids)
+        pooled = PooledScores(index, 1, scores.logprobs, scores.ranks, scores.topk_ids, scores.topk_logprobs,
+                              scores.score_logprobs, row.hidden[None].to(self._dtype), None, None)
+        result = EngineResult(first_row=index)
+        _fill(result, request, pooled, self._dtype)
         return result
 
 
-def _joined(parts: list[PooledScores], name: str) -> torch.Tensor:
-    values = [getattr(p, name) for p in parts]
-    if any(v is None for v in values):
-        raise EngineError(f"vLLM's scoring answer lacks {name}")
-    return values[0].clone() if len(values) == 1 else torch.cat(values)
+def _answer(final) -> PoolerAnswer:
+    try:
+        pooled = unpack(final.outputs.data)
+    except ValueError as exc:
+        raise EngineError(f"vLLM's scoring answer is malformed: {exc}") from exc
+    return PoolerAnswer(pooled, pooled.positions)
 
 
-def _kept_row_scores(request: EngineRequest, row: KeptRow, dtype: torch.dtype) -> PooledScores:
-    """Row P's outputs from its kept raw logits, by the same rule the pooler scores by."""
-    target = request.token_ids[request.first_row : request.first_row + 1]
-    temperatures = None if request.temperature == 1.0 else torch.tensor([request.temperature])
-    score_ids = None if request.score_ids is None else request.score_ids[:1]
-    scores = score_rows(lambda h: h, row.logits[None], target, topk=request.topk,
-                        temperatures=temperatures, score_ids=score_ids)
-    return PooledScores(request.first_row, 1, scores.logprobs, scores.ranks, scores.topk_ids,
-                        scores.topk_logprobs, scores.score_logprobs, row.hidden[None].to(dtype), None, None)
+def _fill(result: EngineResult, request: EngineRequest, pooled: PooledScores, dtype: torch.dtype) -> None:
+    """The asked outputs of `request` from one pooled answer (copies: the answer's views share its bytes)."""
+
+    def field(name: str) -> torch.Tensor:
+        value = getattr(pooled, name)
+        if value is None:
+            raise EngineError(f"vLLM's scoring answer lacks {name}")
+        return value.clone()
+
+    if request.logprobs:
+        result.logprobs, result.ranks = field("logprobs"), field("ranks").to(torch.int64)
+    if request.topk:
+        result.topk_ids, result.topk_logprobs = field("topk_ids"), field("topk_logprobs")
+    if request.score_ids is not None:
+        result.score_logprobs = field("score_logprobs")
+    if request.hidden_states:
+        result.hidden_states = field("hidden").to(dtype)

@@ -12,7 +12,8 @@ score log-probs float32 [n, Ks], hidden states [n, H] in the model's dtype, and 
 (`keep_row`): its raw logits float32 [V] and its hidden state float32 [H], what a shared prompt's
 followers need of row P. Rows are `first_row .. first_row+n-1`
 of proctor's convention (row i from position i-1); `first_row` says which rows the pooler
-could compute: with c prefix-cached tokens it saw positions c.. only.
+could compute: with c prefix-cached tokens it saw positions c.. only; `positions` counts the
+positions it saw (vLLM's computed tokens for the request, measured where they ran).
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ import torch
 
 KEY = "proctor"
 MAGIC = 0x50524F43  # "PROC"
-VERSION = 1
-_HEADER = 11  # int64 fields: magic, version, first_row, n, scores, K, Ks, H, hidden dtype, kept row's V and H
+VERSION = 2
+# int64 fields: magic, version, first_row, n, scores, K, Ks, H, hidden dtype, kept row's V and H, positions
+_HEADER = 12
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -83,6 +85,7 @@ def pack(
     hidden: torch.Tensor | None,
     kept_logits: torch.Tensor | None,
     kept_hidden: torch.Tensor | None,
+    positions: int,
     device: torch.device,
 ) -> torch.Tensor:
     """One request's answer as one uint8 tensor on `device` (module docstring)."""
@@ -92,7 +95,8 @@ def pack(
     code = 0 if hidden is None else _DTYPES.index(hidden.dtype)
     v = 0 if kept_logits is None else int(kept_logits.numel())
     kept_h = 0 if kept_hidden is None else int(kept_hidden.numel())
-    header = torch.tensor([MAGIC, VERSION, first_row, n, int(logprobs is not None), k, ks, h, code, v, kept_h],
+    header = torch.tensor([MAGIC, VERSION, first_row, n, int(logprobs is not None), k, ks, h, code, v, kept_h,
+                           positions],
                           dtype=torch.int64, device=device)
     sections = [header]
     if logprobs is not None:
@@ -124,6 +128,7 @@ class PooledScores:
     hidden: torch.Tensor | None
     kept_logits: torch.Tensor | None  # float32 [V]
     kept_hidden: torch.Tensor | None  # float32 [H]
+    positions: int = 0  # positions the pooler saw for this request
 
 
 def unpack(answer: Any) -> PooledScores:
@@ -132,7 +137,7 @@ def unpack(answer: Any) -> PooledScores:
                                           dtype=np.uint8)).reshape(-1)
     if raw.size < _HEADER * 8:
         raise ValueError(f"a scoring answer of {raw.size} bytes has no header")
-    magic, version, first_row, n, scores, k, ks, h, code, v, kept_h = (
+    magic, version, first_row, n, scores, k, ks, h, code, v, kept_h, positions = (
         int(x) for x in raw[: _HEADER * 8].view(np.int64))
     if magic != MAGIC or version != VERSION:
         raise ValueError(f"not a proctor scoring answer (magic {magic:#x}, version {version})")
@@ -157,4 +162,4 @@ def unpack(answer: Any) -> PooledScores:
     kept_hidden = take(torch.float32, kept_h) if kept_h else None
     if offset != raw.size:
         raise ValueError(f"a scoring answer has {raw.size - offset} bytes beyond its sections")
-    return PooledScores(first_row, n, lp, ranks, ids, vals, score, hidden, kept_logits, kept_hidden)
+    return PooledScores(first_row, n, lp, ranks, ids, vals, score, hidden, kept_logits, kept_hidden, positions)

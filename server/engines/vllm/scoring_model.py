@@ -181,7 +181,7 @@ class _Chunk:
         last = min(total - 1, first_position + hidden.shape[0])  # the last asked row in the chunk
         self.rows = max(0, last - self.lo + 1)
         self.states = hidden[self.lo - 1 - first_position : self.lo - 1 - first_position + self.rows]
-        self.part: dict[str, Any] = {"first_row": self.lo, "n": self.rows,
+        self.part: dict[str, Any] = {"first_row": self.lo, "n": self.rows, "positions": hidden.shape[0],
                                      "next_position": first_position + hidden.shape[0]}
 
     def score_ids(self, width: int) -> torch.Tensor:
@@ -225,4 +225,4 @@ def _packed(ask: ScoreAsk, parts: list[dict[str, Any]], device: torch.device) ->
     return pack(first_row, n, logprobs=logprobs, ranks=ranks, topk_ids=topk_ids, topk_logprobs=topk_lp,
                 score_logprobs=score, hidden=torch.cat(hidden) if hidden else None,
                 kept_logits=kept[0][0] if kept else None, kept_hidden=kept[0][1] if kept else None,
-                device=device)
+                positions=sum(p["positions"] for p in parts), device=device)
