@@ -106,8 +106,14 @@ def serve(
 
         spec = _flag_spec(model, engine=engine, device=device, dtype=dtype, max_topk=max_topk,
                           max_model_len=max_model_len, inference=inference, startup_timeout_s=startup_timeout_s)
-        router = single_teacher_router(spec, name=teacher_name, replicas=replicas,
-                                       health_check_interval_s=health_check_interval_s)
+        from proctor.server.engines.base import EngineConfigError
+
+        try:
+            router = single_teacher_router(spec, name=teacher_name, replicas=replicas,
+                                           health_check_interval_s=health_check_interval_s)
+        except EngineConfigError as exc:  # a bad --inference value (the drift check's, say)
+            typer.echo(f"proctor: cannot serve: {exc}", err=True)
+            raise typer.Exit(1) from None
         options = _flag_options(host=host, grpc_port=grpc_port, http_port=http_port, auth_token_file=auth_token_file,
                                 max_queue_requests=max_queue_requests, max_queue_tokens=max_queue_tokens)
     sys.exit(_serve_until_stopped(router, options, switch_interval_ms=switch_interval_ms))

@@ -84,3 +84,10 @@ def test_a_null_interval_turns_the_drift_check_off(tmp_path, tiny_model_dir):
 def test_a_bad_drift_setting_on_the_command_line_names_its_key(key, value):
     with pytest.raises(EngineConfigError, match=rf"inference\.{key} is "):
         DriftSettings.from_inference({key: value})
+
+
+def test_proctor_serve_refuses_a_bad_drift_setting_in_one_line():
+    done = subprocess.run([sys.executable, "-m", "proctor.server.cli", "serve", "--grpc-port", "0", "--http-port", "0",
+                           "--inference", "max_drift=-1"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert done.stderr.strip() == "proctor: cannot serve: inference.max_drift is -1; it must be a number >= 0"
