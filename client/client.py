@@ -84,6 +84,9 @@ class TeacherInfo:
     # Student tokenizer key -> the teacher ids of its exact-match map (aligned requests).
     aligned_vocabularies: tuple[tuple[str, int], ...] = ()
     chat_template: bool = False  # whether aligned requests may send messages
+    batch_invariant: bool = False  # scores independent of batch, padding and replica
+    max_drift: float | None = None  # the drift check's bound (None: replicas are not checked)
+    drift: tuple[tuple[str, float], ...] = ()  # (replica_id, its latest drift) for replicas checked
 
     @classmethod
     def from_wire(cls, info: scoring_pb2.TeacherInfo) -> TeacherInfo:
@@ -95,6 +98,9 @@ class TeacherInfo:
             score_ids_method=info.score_ids_method,
             aligned_vocabularies=tuple((v.student_tokenizer, v.exact_matches) for v in info.aligned_vocabularies),
             chat_template=info.chat_template,
+            batch_invariant=info.batch_invariant,
+            max_drift=info.max_drift if info.HasField("max_drift") else None,
+            drift=tuple((r.replica_id, r.drift) for r in info.replicas if r.HasField("drift")),
         )
 
 
@@ -172,7 +178,8 @@ class RequestFields(TypedDict, total=False):
     (default True), `topk` (default 0) and `hidden_states` (default False) choose the answer;
     images / videos / audios and `mm_processor_kwargs` carry a multimodal prompt; `score_ids`
     ([R, K], -1 pads) asks for the teacher's log-probs at those ids; `temperature` divides the
-    teacher's logits (None: 1); `request_id` defaults to a fresh uuid.
+    teacher's logits (None: 1); `request_id` defaults to a fresh uuid; `replica` pins the sequence
+    to that replica of the teacher (a ListTeachers replica id), with no failover (`proctor verify`).
 
     A student with another tokenizer names one of the server's student tokenizers
     (`student_tokenizer`; then the ids and `prompt_length` are the student's) and gives the
@@ -196,6 +203,7 @@ class RequestFields(TypedDict, total=False):
     student_tokenizer: str | None
     teacher_prompt_ids: Sequence[int] | torch.Tensor | None
     messages: Iterable[Mapping[str, str]] | None
+    replica: str | None
 
 
 def score_ids_tensor(score_ids: ScoreIds, first_row: int) -> scoring_pb2.Tensor:
@@ -329,6 +337,7 @@ class TeacherClient:
             student_tokenizer=fields.get("student_tokenizer") or "",
             teacher_prompt_ids=_token_list(_given(fields.get("teacher_prompt_ids")), "teacher_prompt_ids"),
             messages=_messages(fields.get("messages")),
+            replica=fields.get("replica") or "",
         )
         prompt_length = fields.get("prompt_length")
         if prompt_length is not None:

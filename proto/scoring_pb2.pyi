@@ -24,6 +24,7 @@ class ReplicaState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     HEALTHY: _ClassVar[ReplicaState]
     UNHEALTHY: _ClassVar[ReplicaState]
     RESTARTING: _ClassVar[ReplicaState]
+    DEGRADED: _ClassVar[ReplicaState]
 DTYPE_UNSPECIFIED: DType
 FLOAT32: DType
 BFLOAT16: DType
@@ -36,6 +37,7 @@ LOADING: ReplicaState
 HEALTHY: ReplicaState
 UNHEALTHY: ReplicaState
 RESTARTING: ReplicaState
+DEGRADED: ReplicaState
 
 class Tensor(_message.Message):
     __slots__ = ("dtype", "shape", "data", "first_row")
@@ -58,7 +60,7 @@ class Media(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., media_type: _Optional[str] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("request_id", "teacher_key", "token_ids", "prompt_length", "logprobs", "topk", "hidden_states", "images", "videos", "audios", "mm_processor_kwargs", "temperature", "score_ids", "student_tokenizer", "teacher_prompt_ids", "messages")
+    __slots__ = ("request_id", "teacher_key", "token_ids", "prompt_length", "logprobs", "topk", "hidden_states", "images", "videos", "audios", "mm_processor_kwargs", "temperature", "score_ids", "student_tokenizer", "teacher_prompt_ids", "messages", "replica")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEACHER_KEY_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +77,7 @@ class ScoreRequest(_message.Message):
     STUDENT_TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     TEACHER_PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     teacher_key: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -91,7 +94,8 @@ class ScoreRequest(_message.Message):
     student_tokenizer: str
     teacher_prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     messages: _containers.RepeatedCompositeFieldContainer[AlignedMessage]
-    def __init__(self, request_id: _Optional[str] = ..., teacher_key: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., prompt_length: _Optional[int] = ..., logprobs: _Optional[bool] = ..., topk: _Optional[int] = ..., hidden_states: _Optional[bool] = ..., images: _Optional[_Iterable[_Union[Media, _Mapping]]] = ..., videos: _Optional[_Iterable[_Union[Media, _Mapping]]] = ..., audios: _Optional[_Iterable[_Union[Media, _Mapping]]] = ..., mm_processor_kwargs: _Optional[str] = ..., temperature: _Optional[float] = ..., score_ids: _Optional[_Union[Tensor, _Mapping]] = ..., student_tokenizer: _Optional[str] = ..., teacher_prompt_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[AlignedMessage, _Mapping]]] = ...) -> None: ...
+    replica: str
+    def __init__(self, request_id: _Optional[str] = ..., teacher_key: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., prompt_length: _Optional[int] = ..., logprobs: _Optional[bool] = ..., topk: _Optional[int] = ..., hidden_states: _Optional[bool] = ..., images: _Optional[_Iterable[_Union[Media, _Mapping]]] = ..., videos: _Optional[_Iterable[_Union[Media, _Mapping]]] = ..., audios: _Optional[_Iterable[_Union[Media, _Mapping]]] = ..., mm_processor_kwargs: _Optional[str] = ..., temperature: _Optional[float] = ..., score_ids: _Optional[_Union[Tensor, _Mapping]] = ..., student_tokenizer: _Optional[str] = ..., teacher_prompt_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[AlignedMessage, _Mapping]]] = ..., replica: _Optional[str] = ...) -> None: ...
 
 class AlignedMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -160,19 +164,23 @@ class TeachersRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaInfo(_message.Message):
-    __slots__ = ("replica_id", "state", "devices", "node")
+    __slots__ = ("replica_id", "state", "devices", "node", "drift", "drift_checks")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
+    DRIFT_FIELD_NUMBER: _ClassVar[int]
+    DRIFT_CHECKS_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     state: ReplicaState
     devices: _containers.RepeatedScalarFieldContainer[str]
     node: str
-    def __init__(self, replica_id: _Optional[str] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., devices: _Optional[_Iterable[str]] = ..., node: _Optional[str] = ...) -> None: ...
+    drift: float
+    drift_checks: int
+    def __init__(self, replica_id: _Optional[str] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., devices: _Optional[_Iterable[str]] = ..., node: _Optional[str] = ..., drift: _Optional[float] = ..., drift_checks: _Optional[int] = ...) -> None: ...
 
 class TeacherInfo(_message.Message):
-    __slots__ = ("name", "model", "fingerprint", "vocab_size", "hidden_size", "max_model_len", "max_topk", "outputs", "replicas", "engine", "dtype", "keys", "media", "score_ids_method", "aligned_vocabularies", "chat_template")
+    __slots__ = ("name", "model", "fingerprint", "vocab_size", "hidden_size", "max_model_len", "max_topk", "outputs", "replicas", "engine", "dtype", "keys", "media", "score_ids_method", "aligned_vocabularies", "chat_template", "batch_invariant", "max_drift")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -189,6 +197,8 @@ class TeacherInfo(_message.Message):
     SCORE_IDS_METHOD_FIELD_NUMBER: _ClassVar[int]
     ALIGNED_VOCABULARIES_FIELD_NUMBER: _ClassVar[int]
     CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    BATCH_INVARIANT_FIELD_NUMBER: _ClassVar[int]
+    MAX_DRIFT_FIELD_NUMBER: _ClassVar[int]
     name: str
     model: str
     fingerprint: str
@@ -205,7 +215,9 @@ class TeacherInfo(_message.Message):
     score_ids_method: str
     aligned_vocabularies: _containers.RepeatedCompositeFieldContainer[AlignedVocabulary]
     chat_template: bool
-    def __init__(self, name: _Optional[str] = ..., model: _Optional[str] = ..., fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_topk: _Optional[int] = ..., outputs: _Optional[_Iterable[str]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., engine: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., keys: _Optional[_Iterable[str]] = ..., media: _Optional[_Iterable[str]] = ..., score_ids_method: _Optional[str] = ..., aligned_vocabularies: _Optional[_Iterable[_Union[AlignedVocabulary, _Mapping]]] = ..., chat_template: _Optional[bool] = ...) -> None: ...
+    batch_invariant: bool
+    max_drift: float
+    def __init__(self, name: _Optional[str] = ..., model: _Optional[str] = ..., fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_topk: _Optional[int] = ..., outputs: _Optional[_Iterable[str]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., engine: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., keys: _Optional[_Iterable[str]] = ..., media: _Optional[_Iterable[str]] = ..., score_ids_method: _Optional[str] = ..., aligned_vocabularies: _Optional[_Iterable[_Union[AlignedVocabulary, _Mapping]]] = ..., chat_template: _Optional[bool] = ..., batch_invariant: _Optional[bool] = ..., max_drift: _Optional[float] = ...) -> None: ...
 
 class AlignedVocabulary(_message.Message):
     __slots__ = ("student_tokenizer", "exact_matches", "identical")

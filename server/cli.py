@@ -1,8 +1,10 @@
-"""The `proctor` command: serve a teacher, score from the shell, build the tiny teacher, demo.
+"""The `proctor` command: serve a teacher, score from the shell, verify a deployment's replicas,
+build the tiny teacher, demo.
 
-This is the one module that may compose the server and the trainer side: `proctor demo`
-imports `proctor.trainer_adapter` inside its command only, so the server package itself
-never depends on the client.
+With `cli_trainer_side` (the trainer-side commands, `verify` and `demo`, registered here) this is
+the one place that may compose the server and the trainer side: those commands import the client
+and `proctor.trainer_adapter` inside their bodies only, so the server package itself never
+depends on the client.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
+from proctor.server import cli_trainer_side
 from proctor.server.settings import DEFAULTS, ServerOptions
 
 if TYPE_CHECKING:  # the server's parts are imported by the commands that use them, not at start-up
@@ -116,8 +119,14 @@ def serve(
 
         spec = _flag_spec(model, engine=engine, device=device, dtype=dtype, max_topk=max_topk,
                           max_model_len=max_model_len, inference=inference, startup_timeout_s=startup_timeout_s)
-        router = single_teacher_router(spec, name=teacher_name, replicas=replicas,
-                                       health_check_interval_s=health_check_interval_s)
+        from proctor.server.engines.base import EngineConfigError
+
+        try:
+            router = single_teacher_router(spec, name=teacher_name, replicas=replicas,
+                                           health_check_interval_s=health_check_interval_s)
+        except EngineConfigError as exc:  # a bad --inference value (the drift check's, say)
+            typer.echo(f"proctor: cannot serve: {exc}", err=True)
+            raise typer.Exit(1) from None
         options = _flag_options(host=host, grpc_port=grpc_port, http_port=http_port, auth_token_file=auth_token_file,
                                 max_queue_requests=max_queue_requests, max_queue_tokens=max_queue_tokens)
     options.student_tokenizers.update(students)  # the flags' beside (or over) the config file's
@@ -257,61 +266,9 @@ def check_config(config: Path = typer.Argument(..., help="YAML config to check."
     raise typer.Exit(check_config_command(config))
 
 
-@app.command()
-def demo(
-    steps: int = typer.Option(30, help="Training steps."),
-    loss: str | None = typer.Option(None, help="k1 | k3 | forward_kl_topk | full_forward_kl (the default) | full_reverse_kl | "
-                                    "full_jsd | student_topk_reverse_kl; with --cross-tokenizer: gold_hybrid (the "
-                                    "default) | chunk_likelihood"),
-    transport: str = typer.Option("grpc", help="grpc | http"),
-    out: Path = typer.Option(Path("out"), help="Folder for the loss plot and log."),
-    seed: int = typer.Option(0),
-    teacher: str = typer.Option("text", help="text (the tiny teacher) | omni (a tiny Qwen2.5-Omni Thinker: "
-                                "prompts with an image and an audio clip)"),
-    cross_tokenizer: bool = typer.Option(False, help="Distil a tiny student with another tokenizer (other merges "
-                                         "and vocabulary) through aligned requests."),
-) -> None:
-    """On-policy distillation on the CPU: a noisy student learns from the tiny teacher.
-
-    The composition lives here: this command serves the tiny teacher and hands the trainer
-    loop (which knows only the client) the server's targets and the model for the tokenizer.
-    """
-    from proctor.server.quickstart import print_quickstart, tiny_teacher
-    from proctor.trainer_adapter.demo import option_error, run_demo
-
-    if cross_tokenizer:
-        _cross_tokenizer_demo(steps=steps, loss=loss, transport=transport, out=out, seed=seed, teacher=teacher)
-    loss = loss or "full_forward_kl"
-    problem = option_error(steps=steps, loss=loss, transport=transport, teacher=teacher)
-    if problem:  # before a server is started for nothing
-        typer.echo(f"proctor demo: {problem}", err=True)
-        raise typer.Exit(2)
-    with tiny_teacher(kind=teacher) as (server, model_dir):
-        if teacher == "text":
-            print_quickstart(server, model_dir)
-        targets = {"grpc": f"grpc://{server.grpc_target}", "http": server.http_url}
-        code = run_demo(targets, model_dir, steps=steps, loss=loss, transport=transport, out=out, seed=seed,
-                        teacher=teacher)
-    raise typer.Exit(code)
-
-
-def _cross_tokenizer_demo(*, steps: int, loss: str | None, transport: str, out: Path, seed: int, teacher: str) -> None:
-    """`proctor demo --cross-tokenizer`: the tiny teacher serves aligned requests for the tiny
-    student's tokenizer; the student (client side only) distils through them. Exits."""
-    from proctor.server.quickstart import tiny_teacher
-    from proctor.server.tiny_model import ensure_tiny_student
-    from proctor.trainer_adapter.cross_tokenizer_demo import cross_option_error, run_cross_tokenizer_demo
-
-    loss = loss or "gold_hybrid"
-    problem = cross_option_error(steps=steps, loss=loss, transport=transport, teacher=teacher)
-    if problem:
-        typer.echo(f"proctor demo: {problem}", err=True)
-        raise typer.Exit(2)
-    student = ensure_tiny_student()
-    with tiny_teacher(student_tokenizers={"tiny-student": str(student)}) as (server, _):
-        target = f"grpc://{server.grpc_target}" if transport == "grpc" else server.http_url
-        code = run_cross_tokenizer_demo(target, student, "tiny-student", steps=steps, loss=loss, out=out, seed=seed)
-    raise typer.Exit(code)
+# The commands that run the trainer side against a server (their module composes with the client).
+app.command()(cli_trainer_side.verify)
+app.command()(cli_trainer_side.demo)
 
 
 def main() -> None:

@@ -55,6 +55,9 @@ class MetricsSink:
     def poison_request(self, teacher: str) -> None:
         """A request failed on two replicas and was failed without a third try."""
 
+    def replica_drift(self, teacher: str, replica: str, drift: float) -> None:
+        """A drift check ran on this replica: max |delta log-prob| of its canaries (`front/drift.py`)."""
+
 
 NULL_SINK = MetricsSink()
 
@@ -113,6 +116,11 @@ class Metrics(MetricsSink):
             "proctor:engine_computed_tokens",
             "Token positions the engines ran through the model (their own count; reuse lowers it).",
             ["teacher"], registry=r)
+        self.replica_drift_gauge = Gauge("proctor:replica_drift",
+                                         "Max |delta log-prob| of the replica's canaries against the teacher's first "
+                                         "answer, at its latest drift check.", ["teacher", "replica"], registry=r)
+        self.replica_drift_checks = Counter("proctor:replica_drift_checks", "Drift checks each replica ran.",
+                                            ["teacher", "replica"], registry=r)
 
     def _series(self, metric: Any, *labels: str) -> Any:
         """`metric.labels(*labels)`, looked up once: prometheus_client's own lookup (label
@@ -153,6 +161,10 @@ class Metrics(MetricsSink):
 
     def poison_request(self, teacher: str) -> None:
         self._series(self.poison_requests, teacher).inc()
+
+    def replica_drift(self, teacher: str, replica: str, drift: float) -> None:
+        self._series(self.replica_drift_gauge, teacher, replica).set(drift)
+        self._series(self.replica_drift_checks, teacher, replica).inc()
 
     def prompt_reused(self, teacher: str, tokens: int) -> None:
         self._series(self.prompt_reuse_hits if tokens > 0 else self.prompt_reuse_misses, teacher).inc()

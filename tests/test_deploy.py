@@ -185,7 +185,7 @@ def _teacher(profile: str) -> dict:
 @pytest.mark.parametrize("profile", PROFILES)
 def test_compose_profile_validates_against_the_compose_spec(profile):
     services = _compose_config(profile)["services"]
-    assert set(services) == {f"teacher-{profile}", "prometheus", "grafana"}
+    assert set(services) == {f"teacher-{profile}", "verify", "prometheus", "grafana"}
 
 
 def test_compose_validator_rejects_an_invalid_file(tmp_path):
@@ -240,6 +240,20 @@ def test_compose_teacher_waits_for_slow_loads_and_drains_on_stop(profile):
     assert any(HEALTH_READY in part or HEALTH_LIVE in part for part in hc["test"])
     assert _seconds(hc["start_period"]) >= 600, "model loads take minutes"
     assert int(t["shm_size"]) >= 1 << 30
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_compose_runs_proctor_verify_once_the_teacher_is_ready(profile):
+    """The post-start check: `proctor verify` against the teacher's gRPC port, after its /health/ready
+    healthcheck passes, with the teacher's bearer token."""
+    config = _compose_config(profile)
+    verify = config["services"]["verify"]
+    assert verify["command"] == ["verify", "--target", f"grpc://teacher:{GRPC_PORT}"]
+    assert verify["depends_on"][f"teacher-{profile}"]["condition"] == "service_healthy"
+    assert "teacher" in _teacher(profile)["networks"]["default"]["aliases"]
+    token = verify["environment"]["PROCTOR_AUTH_TOKEN_FILE"]
+    assert {(s["source"], s["target"]) for s in verify["secrets"]} == {("proctor_token", token)}
+    assert verify["restart"] == "no"
 
 
 def test_compose_ascend_teacher_gets_all_npus_and_the_host_driver():
@@ -340,7 +354,27 @@ def _server_config(overlay: str) -> dict:
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_overlay_renders_the_expected_objects(overlay):
     kinds = sorted(d["kind"] for d in _rendered(overlay))
-    assert kinds == ["ConfigMap", "Deployment", "Service", "ServiceMonitor"]
+    assert kinds == ["ConfigMap", "Deployment", "Job", "Service", "ServiceMonitor"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlay_runs_proctor_verify_once_the_server_is_ready(overlay):
+    """A Job waits for the Service's /health/ready, then runs `proctor verify` against its gRPC port
+    with the server's image and token; its pods are never the Service's endpoints."""
+    job, svc = _one(overlay, "Job"), _one(overlay, "Service")
+    pod = job["spec"]["template"]
+    (wait,), (check,) = pod["spec"]["initContainers"], pod["spec"]["containers"]
+    ports = {p["name"]: p["port"] for p in svc["spec"]["ports"]}
+    assert check["args"] == ["verify", "--target", f"grpc://{svc['metadata']['name']}:{ports['grpc']}"]
+    assert f"http://{svc['metadata']['name']}:{ports['http']}{HEALTH_READY}" in " ".join(wait["command"])
+    assert check["image"] == wait["image"] == _container(overlay)["image"]
+    token = next(e["value"] for e in check["env"] if e["name"] == "PROCTOR_AUTH_TOKEN_FILE")
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    mount = next(m for m in check["volumeMounts"] if token.startswith(m["mountPath"] + "/"))
+    assert volumes[mount["name"]]["secret"]["secretName"] == "proctor-auth"
+    labels = pod["metadata"]["labels"]
+    assert not all(labels.get(k) == v for k, v in svc["spec"]["selector"].items())
+    assert pod["spec"]["restartPolicy"] == "Never" and pod["spec"]["securityContext"]["runAsNonRoot"] is True
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

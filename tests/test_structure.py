@@ -163,3 +163,26 @@ def test_every_package_is_listed_for_a_wheel_install():
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     packages = {name for name, path in MODULES.items() if path.name == "__init__.py"}
     assert packages - listed == set()
+
+
+# DESIGN §2: who may import whom. The `proctor` command composes both sides, in its two modules.
+COMPOSERS = {"proctor.server.cli", "proctor.server.cli_trainer_side"}
+FORBIDDEN = {"proctor.server": ("proctor.client", "proctor.trainer_adapter"),
+             "proctor.client": ("proctor.server", "proctor.trainer_adapter"),
+             "proctor.proto": ("proctor.server", "proctor.client", "proctor.trainer_adapter"),
+             "proctor.trainer_adapter": ("proctor.server",)}
+
+
+def test_the_sides_import_only_what_the_design_allows():
+    broken = []
+    for module, path in MODULES.items():
+        if module in COMPOSERS or _generated(path):
+            continue
+        side = next(package for package in FORBIDDEN if module == package or module.startswith(package + "."))
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [_absolute(module, node)] if isinstance(node, ast.ImportFrom) else [])
+            broken += [(module, name) for name in names
+                       if any(name == f or name.startswith(f + ".") for f in FORBIDDEN[side])]
+    assert broken == []

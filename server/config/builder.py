@@ -12,6 +12,7 @@ from pathlib import Path
 
 from proctor.server.config.plan import ServingPlan, load_plan
 from proctor.server.engines.base import EngineSpec
+from proctor.server.front.drift import DriftSettings
 from proctor.server.pool import ReplicaGroupPlan
 from proctor.server.prompt_reuse import ReuseSettings
 
@@ -32,6 +33,11 @@ def _replica_spec(spec: EngineSpec, group: ReplicaGroupPlan, kind: str, *, in_pr
     if in_process and kind != "cpu":
         device = f"{kind}:{group.local_devices[0]}"
     return replace(spec, device=device, devices=tuple(str(d) for d in group.local_devices))
+
+
+def _drift(spec: EngineSpec, *, swapped: bool) -> DriftSettings | None:
+    """A teacher's drift check; none for a teacher sharing devices (each check would swap its weights in)."""
+    return None if swapped else DriftSettings.from_inference(spec.inference)
 
 
 def build_router(plan: ServingPlan) -> Router:
@@ -85,6 +91,7 @@ def build_router(plan: ServingPlan) -> Router:
                     swap_groups=tuple({id(g): g for g in swap_groups.values() if name in g.specs}.values()),
                     prompt_reuse=ReuseSettings.from_inference(resolved.spec.inference),
                     tokenizer_path=resolved.spec.model_path,
+                    drift=_drift(resolved.spec, swapped=any(name in g.specs for g in swap_groups.values())),
                 )
             )
     except BaseException:  # nothing will own the pool's placement groups: release them now
@@ -141,4 +148,4 @@ def single_teacher_router(
     replica_set = [engine_replica(i, partial(create_replica_engine, spec, name=i)) for i in ids]
     reuse = ReuseSettings.from_inference(spec.inference)
     return Router([ReplicaSet(name, replica_set, health_check_interval_s=health_check_interval_s, prompt_reuse=reuse,
-                              tokenizer_path=spec.model_path)])
+                              tokenizer_path=spec.model_path, drift=DriftSettings.from_inference(spec.inference))])

@@ -68,6 +68,7 @@ class ServingPlan:
             lines.append(
                 f"teacher {t.name}: key {t.key!r}, engine {t.spec.name}, model {t.spec.model_path}, "
                 f"{t.per_replica} device(s) per replica, max top-k {t.spec.max_topk}"
+                + (", batch-invariant (prompt reuse off)" if t.spec.inference.get("batch_invariant") else "")
             )
         lines.append(self.placement.summary())
         lines.extend(f"note: {n}" for n in self.notes)
@@ -91,7 +92,8 @@ def detect_device() -> str:
 
 
 def _engine_problems(
-    name: str, engine: str, teacher: TeacherModelConfig, loss: DistillationLossConfig, max_topk: int
+    name: str, engine: str, teacher: TeacherModelConfig, loss: DistillationLossConfig, max_topk: int,
+    device_kind: str,
 ) -> list[str]:
     """The engine startup checks (`proctor.server.engines.checks`) that need only the config.
 
@@ -100,10 +102,13 @@ def _engine_problems(
     """
     from proctor.server.engines import checks
     from proctor.server.engines.base import EngineConfigError
+    from proctor.server.engines.invariance import check_batch_invariant
 
     inf = teacher.inference
     lengths = (inf.prompt_length, inf.response_length)
     calls: list[Callable[[], object]] = [lambda: checks.check_engine_name(engine)]
+    if inf.batch_invariant:
+        calls.append(lambda: check_batch_invariant(engine, device_kind))
     if loss.is_hidden_state and inf.hidden_states is False:
         calls.append(lambda: checks.refuse(
             f"inference.hidden_states is false, but distillation_loss.loss_mode {loss.loss_mode} needs the "
@@ -188,7 +193,7 @@ def _teachers(config: ProctorConfig, device_kind: str, problems: list[str], note
         keys[key] = name
         engine = _engine_name(teacher.inference, device_kind)
         max_topk = _max_topk(engine, teacher.inference, d.distillation_loss)
-        problems.extend(_engine_problems(name, engine, teacher, d.distillation_loss, max_topk))
+        problems.extend(_engine_problems(name, engine, teacher, d.distillation_loss, max_topk, device_kind))
         inference = teacher.inference.model_dump(exclude={"name", "dtype", "hidden_states", "startup_timeout_s"})
         inference.update(teacher.inference.model_extra or {})
         inference.pop("_target_", None)

@@ -17,6 +17,7 @@ from proctor.proto.loss_modes import (
     VERL_IGNORED_LOSS_KEYS,
     LossFamilies,
 )
+from proctor.server.front.drift import DriftSettings
 from proctor.server.prompt_reuse import ReuseSettings
 from proctor.server.settings import DEFAULTS
 
@@ -68,6 +69,7 @@ _VERL_ROLLOUT_FIELDS = frozenset(
 
 
 _REUSE = ReuseSettings()
+_DRIFT = DriftSettings()
 
 
 class InferenceConfig(ConfigBlock):
@@ -98,6 +100,13 @@ class InferenceConfig(ConfigBlock):
     prompt_reuse_memory_mb: float = Field(_REUSE.memory_bytes / (1 << 20), ge=0)
     prompt_reuse_ttl_s: float = Field(_REUSE.ttl_s, ge=0)
     prompt_reuse_block_tokens: int = Field(_REUSE.block_tokens, ge=1)
+    # Scores that do not depend on the batch, padding or replica (`engines/invariance.py`; reuse off).
+    batch_invariant: bool = False
+    # The replicas' drift check on fixed canaries (`front/drift.py`); interval null: no check.
+    drift_check_interval_s: float | None = Field(_DRIFT.interval_s, gt=0)
+    drift_canaries: int = Field(_DRIFT.canaries, ge=1)
+    drift_canary_tokens: int = Field(_DRIFT.canary_tokens, ge=2)
+    max_drift: float = Field(_DRIFT.max_drift, ge=0)
 
     @property
     def per_replica(self) -> int:

@@ -142,6 +142,7 @@ class EngineInfo:
     longest_sequence: int | None = None
     # How score_ids are scored ("" when "score_ids" is not among the outputs); see TeacherInfo.
     score_ids_method: str = ""
+    batch_invariant: bool = False  # scores independent of batch, padding, replica (`engines/invariance`)
 
     @property
     def max_sequence_tokens(self) -> int:

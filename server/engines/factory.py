@@ -17,10 +17,13 @@ from proctor.server.engines.base import (
     EngineSpec,
     TeacherEngine,
 )
+from proctor.server.engines.invariance import invariant_spec
 
 
 def create_engine(spec: EngineSpec) -> TeacherEngine:
-    """Build (not start) the engine that spec names."""
+    """Build (not start) the engine that spec names (a batch-invariant teacher's as `invariant_spec`
+    serves it: refused where it cannot be, prompt reuse off)."""
+    spec = invariant_spec(spec)
     if spec.name == "torch":
         from proctor.server.engines.torch.engine import TorchEngine
 

@@ -279,6 +279,8 @@ class ScoreBody(WireModel):
         None, description="with student_tokenizer: the teacher's prompt as its own ids")
     messages: Annotated[list[scoring_pb2.AlignedMessage] | None, checked(_messages, list[MessageItem] | None)] = Field(
         None, description="with student_tokenizer: the teacher's prompt as a conversation for its chat template")
+    replica: str | None = Field(None, description="pin to this replica of the teacher (a replica_id of "
+                                "/v1/teachers), with no failover: for comparing replicas")
 
     @model_validator(mode="before")
     @classmethod
@@ -312,4 +314,6 @@ class ScoreBody(WireModel):
         request.student_tokenizer = self.student_tokenizer or ""
         request.teacher_prompt_ids.extend(self.teacher_prompt_ids or ())
         request.messages.extend(self.messages or ())
+        if self.replica:
+            request.replica = self.replica
         return request

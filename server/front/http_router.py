@@ -16,6 +16,7 @@ from google.protobuf.json_format import MessageToDict
 from proctor.proto import scoring_pb2
 from proctor.server.front.completions_serving import CompletionsServing
 from proctor.server.front.openai_compat import CompletionBody
+from proctor.server.front.replicas import ReplicaState
 from proctor.server.front.score_serving import SCORE_OPENAPI, ScoreServing
 from proctor.server.front.service import ScoringService
 
@@ -71,7 +72,9 @@ async def live(request: Request) -> dict:
 async def ready(request: Request) -> Response:
     service = _serving(request).service
     if service.ready():
-        return JSONResponse({"status": "ready"})
+        degraded = [f"{t.name}/{r.replica_id}" for t in service.router.teachers.values() for r in t.replicas
+                    if r.state is ReplicaState.DEGRADED]  # drifting (`drift`): served only when no other is healthy
+        return JSONResponse({"status": "ready", **({"degraded": degraded} if degraded else {})})
     return JSONResponse({"status": "not ready", "state": service.state.value}, status_code=503)
 
 

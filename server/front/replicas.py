@@ -43,12 +43,19 @@ def _caller_cancelled() -> bool:
 
 
 class ReplicaState(enum.IntEnum):
-    """A replica's life (the wire's `ReplicaState`); only HEALTHY replicas take requests."""
+    """A replica's life (the wire's `ReplicaState`). HEALTHY replicas take requests; a DEGRADED one
+    (running, its canaries drifting: `drift`) takes them only while no replica is HEALTHY."""
 
     LOADING = scoring_pb2.LOADING
     HEALTHY = scoring_pb2.HEALTHY
     UNHEALTHY = scoring_pb2.UNHEALTHY
     RESTARTING = scoring_pb2.RESTARTING
+    DEGRADED = scoring_pb2.DEGRADED
+
+    @property
+    def running(self) -> bool:
+        """Started and answering (HEALTHY or DEGRADED): what failures, probes and sweeps act on."""
+        return self in (ReplicaState.HEALTHY, ReplicaState.DEGRADED)
 
 
 @dataclass

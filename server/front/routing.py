@@ -34,6 +34,7 @@ from proctor.server.engines.base import (
     describe_fault,
 )
 from proctor.server.errors import NOT_READY_RETRY_S, Code, ScoringError
+from proctor.server.front.drift import DriftCheck, DriftSettings
 from proctor.server.front.replica_faults import RETRIES_AFTER_FAULT
 from proctor.server.front.replicas import EngineFactory, Replica, ReplicaLost, ReplicaState, engine_replica
 from proctor.server.front.supervisor import RestartPolicy, Supervisor
@@ -80,6 +81,7 @@ class ReplicaSet:
         swap_groups: tuple[Any, ...] = (),
         prompt_reuse: ReuseSettings | None = None,
         tokenizer_path: str | None = None,
+        drift: DriftSettings | None = None,
     ) -> None:
         if not replicas:
             raise ValueError(f"teacher {name!r} has no replicas")
@@ -103,6 +105,8 @@ class ReplicaSet:
         self._rr = 0
         reuse = prompt_reuse or ReuseSettings()
         self.affinity = PromptAffinity(reuse) if reuse.enabled and len(replicas) > 1 else None
+        # The replicas' canary check (`drift`); None: not checked.
+        self.drift = DriftCheck(name, drift) if drift is not None and drift.enabled else None
 
     @property
     def restart_policy(self) -> RestartPolicy:
@@ -121,6 +125,8 @@ class ReplicaSet:
             replica.sink = sink
         for group in self.swap_groups:
             group.sink = sink
+        if self.drift is not None:
+            self.drift.sink = sink
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -130,10 +136,14 @@ class ReplicaSet:
         for replica in self.replicas:
             self.supervisor.notify(replica)
         self.supervisor.start_sweeping(self.health_check_interval_s)
+        if self.drift is not None:
+            self.drift.start(self.replicas, lambda: self.info, self.supervisor.notify)
 
     async def stop(self) -> None:
-        """Stop the sweep first (so it restarts nothing), then every replica and its restart."""
+        """Stop the sweep and the drift check first (so they touch nothing), then every replica."""
         await self.supervisor.stop_sweeping()
+        if self.drift is not None:
+            await self.drift.stop()
         await asyncio.gather(*(r.stop() for r in self.replicas))
 
     @property
@@ -144,8 +154,13 @@ class ReplicaSet:
         return self._info
 
     def healthy(self) -> list[Replica]:
-        """The replicas in rotation now."""
+        """The HEALTHY replicas."""
         return [r for r in self.replicas if r.state is ReplicaState.HEALTHY]
+
+    def in_service(self) -> list[Replica]:
+        """The replicas in rotation now: the HEALTHY ones, else the DEGRADED ones (drifting, but
+        still the teacher's best answer)."""
+        return self.healthy() or [r for r in self.replicas if r.state is ReplicaState.DEGRADED]
 
     def mark_failed(self, replica: Replica, error: BaseException) -> None:
         """Take a replica out of rotation and restart it in the background (`Supervisor`)."""
@@ -156,10 +171,15 @@ class ReplicaSet:
         await self.supervisor.health_sweep()
 
     # -- routing and failover --------------------------------------------------------------
-    def pick(self, exclude: set[str], prefer: str | None = None) -> Replica | None:
-        """The next healthy replica by the teacher's policy, skipping those already tried; `prefer`
-        (the replica holding the request's prompt) unless it is a batch busier than the least loaded."""
-        candidates = [r for r in self.healthy() if r.replica_id not in exclude]
+    def pick(self, exclude: set[str], prefer: str | None = None, pinned: str | None = None) -> Replica | None:
+        """The next healthy replica by the teacher's policy, skipping those already tried (a degraded
+        one only when no healthy one is left); `prefer` (the replica holding the request's prompt)
+        unless it is a batch busier than the least loaded. `pinned`: that replica alone, if running."""
+        if pinned is not None:
+            return next((r for r in self.replicas if r.replica_id == pinned and r.state.running
+                         and pinned not in exclude), None)
+        running = [r for r in self.replicas if r.state.running and r.replica_id not in exclude]
+        candidates = [r for r in running if r.state is ReplicaState.HEALTHY] or running
         if not candidates:
             return None
         if self.policy == "round_robin":
@@ -172,17 +192,19 @@ class ReplicaSet:
             return held
         return best
 
-    async def score(self, request: EngineRequest) -> EngineResult:
+    async def score(self, request: EngineRequest, *, replica_id: str | None = None) -> EngineResult:
         """Score on a healthy replica; a failure moves the request to another one, once
-        (`replica_faults`: a request failing on two replicas is a poison request)."""
+        (`replica_faults`: a request failing on two replicas is a poison request). `replica_id`
+        pins it to that replica (validated by the service), with no failover."""
         tried: set[str] = set()
         last_error: Exception | None = None
         faults: list[tuple[Replica, Exception]] = []  # attempts that failed on a replica
-        prompt = self.affinity.key(request) if self.affinity is not None else None
+        pinned = replica_id is not None
+        prompt = self.affinity.key(request) if self.affinity is not None and not pinned else None
         while True:
-            replica = self.pick(tried, self.affinity.replica_of(prompt) if prompt is not None else None)
+            replica = self.pick(tried, self.affinity.replica_of(prompt) if prompt is not None else None, replica_id)
             if replica is None:
-                raise self._nowhere_left(faults, last_error)
+                raise self._nowhere_left(faults, last_error, replica_id)
             tried.add(replica.replica_id)
             if prompt is not None:  # the group's next members follow this one (retries move it)
                 self.affinity.remember(prompt, replica.replica_id)
@@ -215,11 +237,17 @@ class ReplicaSet:
             if len(faults) > RETRIES_AFTER_FAULT:
                 raise self._poison(faults)
 
-    def _nowhere_left(self, faults: list[tuple[Replica, Exception]], last_error: Exception | None) -> ScoringError:
+    def _nowhere_left(self, faults: list[tuple[Replica, Exception]], last_error: Exception | None,
+                      pinned: str | None = None) -> ScoringError:
         """The error for a request with no healthy replica left to try: the request's own fault
         if that is what the last attempt hit, else UNAVAILABLE with the retry hint."""
         if faults and isinstance(faults[-1][1], RequestFailed):
             return ScoringError(Code.INTERNAL, f"teacher {self.name!r}: {faults[-1][1].cause}")
+        if pinned is not None:
+            state = next(r.state for r in self.replicas if r.replica_id == pinned).name
+            cause = f" ({last_error})" if last_error is not None else ""
+            return ScoringError(Code.UNAVAILABLE, f"teacher {self.name!r}: replica {pinned!r} (the request's "
+                                f"replica) is {state} and did not score it{cause}", retry_after=self.retry_hint())
         if last_error is not None:
             return ScoringError(
                 Code.UNAVAILABLE,
@@ -251,7 +279,7 @@ class ReplicaSet:
         over their token budgets), so a client comes back about when its turn would start.
         With none: the next restart attempt's backoff.
         """
-        healthy = [r for r in self.healthy() if r.engine is not None]
+        healthy = [r for r in self.in_service() if r.engine is not None]
         if not healthy:
             return min(self.restart_policy.max_backoff_s, max(1.0, self.restart_policy.initial_backoff_s * 2))
         capacity = sum(r.engine.token_budget() for r in healthy)

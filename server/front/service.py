@@ -23,11 +23,11 @@ from typing import Any
 import torch
 
 from proctor.proto import scoring_pb2, wire_dtype
-from proctor.server.engines.base import EngineRequest, EngineResult
+from proctor.server.engines.base import EngineResult
 from proctor.server.errors import NOT_READY_RETRY_S, Code, ScoringError
 from proctor.server.front.aligned_scoring import AlignedScoring
 from proctor.server.front.routing import ReplicaSet, Router
-from proctor.server.front.validation import decode, request_mode, validate
+from proctor.server.front.validation import ValidRequest, decode, request_mode, validate
 from proctor.server.media import MediaLimits
 from proctor.server.metrics import Metrics
 
@@ -115,7 +115,7 @@ class ScoringService:
             return False
 
     def ready(self) -> bool:
-        return self.state is ServiceState.SERVING and all(t.healthy() for t in self.router.teachers.values())
+        return self.state is ServiceState.SERVING and all(t.in_service() for t in self.router.teachers.values())
 
     def _check_serving(self) -> None:
         if self.state is not ServiceState.SERVING:
@@ -184,7 +184,7 @@ class ScoringService:
             tokens = valid.request.num_tokens
             admission = self._admit(valid.teacher_set, tokens)
             try:
-                result = await self._score_admitted(valid.teacher_set, valid.request, timeout)
+                result = await self._score_admitted(valid, timeout)
             finally:
                 self._release(admission, tokens)
         except ScoringError as exc:
@@ -201,17 +201,15 @@ class ScoringService:
                                     queue=result.queue_seconds, engine=result.engine_seconds)
         return ScoredRequest(valid.request.request_id, teacher_name, valid.teacher_set.info.model, tokens, result, mode)
 
-    async def _score_admitted(
-        self, teacher_set: ReplicaSet, request: EngineRequest, timeout: float | None
-    ) -> EngineResult:
+    async def _score_admitted(self, valid: ValidRequest, timeout: float | None) -> EngineResult:
         limit = timeout if timeout is not None else self.limits.default_timeout_s
         if limit is None:
-            return await teacher_set.score(request)
+            return await valid.teacher_set.score(valid.request, replica_id=valid.replica)
         if limit <= 0:
             raise ScoringError(Code.DEADLINE_EXCEEDED, "deadline already passed before scoring started")
         try:  # a timeout scope, not wait_for: no task of its own per request
             async with asyncio.timeout(limit):
-                return await teacher_set.score(request)
+                return await valid.teacher_set.score(valid.request, replica_id=valid.replica)
         except TimeoutError as exc:
             raise ScoringError(Code.DEADLINE_EXCEEDED, f"not scored within the deadline ({limit:.3f}s)") from exc
 
@@ -219,8 +217,10 @@ class ScoringService:
     def teacher_infos(self) -> list[scoring_pb2.TeacherInfo]:
         infos = []
         for teacher_set in self.router.teachers.values():
+            drift = teacher_set.drift
             replicas = [
-                scoring_pb2.ReplicaInfo(replica_id=r.replica_id, state=int(r.state), devices=list(r.devices), node=r.node)
+                scoring_pb2.ReplicaInfo(replica_id=r.replica_id, state=int(r.state), devices=list(r.devices), node=r.node,
+                                        **(drift.replica_fields(r.replica_id) if drift is not None else {}))
                 for r in teacher_set.replicas
             ]
             try:
@@ -246,6 +246,8 @@ class ScoringService:
                     score_ids_method=info.score_ids_method,
                     aligned_vocabularies=self.aligned.vocabularies(teacher_set.name),
                     chat_template=self.aligned.chat_template(teacher_set.name),
+                    batch_invariant=info.batch_invariant,
+                    max_drift=drift.settings.max_drift if drift is not None else None,
                 )
             )
         return infos
@@ -254,7 +256,7 @@ class ScoringService:
         """The teacher's output embedding [V, H] and its fingerprint, fetched off the loop."""
         self._check_serving()
         teacher_set = self.router.route(teacher_key)
-        replica = next((r for r in teacher_set.healthy() if r.engine is not None), None)
+        replica = next((r for r in teacher_set.in_service() if r.engine is not None), None)
         if replica is None:
             raise ScoringError(Code.UNAVAILABLE, f"teacher {teacher_set.name!r} has no healthy replica",
                                retry_after=teacher_set.retry_hint())

@@ -52,9 +52,9 @@ class Supervisor:
 
     # -- taking a replica out and bringing it back -------------------------------------------
     def mark_failed(self, replica: Replica, error: BaseException) -> None:
-        """Take a replica out of rotation and restart it in the background (once: a replica
-        already out is left to the restart under way)."""
-        if replica.state is not ReplicaState.HEALTHY:
+        """Take a running replica (healthy or degraded) out of rotation and restart it in the
+        background (once: a replica already out is left to the restart under way)."""
+        if not replica.state.running:
             return
         log.warning("teacher %s replica %s failed: %s; restarting", self.teacher, replica.replica_id, error)
         replica.failures += 1
@@ -95,7 +95,7 @@ class Supervisor:
     # -- evidence that a replica is unwell ---------------------------------------------------
     def strike(self, replica: Replica, request: EngineRequest) -> None:
         """A request that failed on `replica` was answered by another one: evidence against it."""
-        if replica.strikes.add(request.key) and replica.state is ReplicaState.HEALTHY:
+        if replica.strikes.add(request.key) and replica.state.running:
             self.mark_failed(replica, RuntimeError(
                 f"{len(replica.strikes)} requests failed on it within {replica.strikes.window_s:.0f} s "
                 "that other replicas answered"))
@@ -110,16 +110,16 @@ class Supervisor:
 
         async def probe() -> None:
             ok = await replica.check_health()
-            if not ok and replica.generation == generation and replica.state is ReplicaState.HEALTHY:
+            if not ok and replica.generation == generation and replica.state.running:
                 self.mark_failed(replica, RuntimeError("health probe failed after a request fault"))
 
         replica.start_probe(probe)
 
     async def health_sweep(self) -> None:
-        """Check every healthy replica once; failures go through mark_failed."""
-        for replica in [r for r in self.replicas if r.state is ReplicaState.HEALTHY]:
+        """Check every running replica (healthy or degraded) once; failures go through mark_failed."""
+        for replica in [r for r in self.replicas if r.state.running]:
             ok = await replica.check_health()
-            if not ok and replica.state is ReplicaState.HEALTHY:
+            if not ok and replica.state.running:
                 self.mark_failed(replica, RuntimeError("health check failed"))
 
     # -- the periodic sweep --------------------------------------------------------------------

@@ -32,6 +32,7 @@ class ValidRequest:
     teacher_set: ReplicaSet
     request: EngineRequest
     mode: str  # metrics label: what was asked for, e.g. "logprobs+topk"
+    replica: str | None = None  # the replica the request is pinned to (`ScoreRequest.replica`)
 
 
 def request_mode(request: scoring_pb2.ScoreRequest) -> str:
@@ -68,7 +69,7 @@ def validate(teacher_set: ReplicaSet, request: scoring_pb2.ScoreRequest, *, max_
         media=media if media else None,
         score_ids=score_ids,
     )
-    return ValidRequest(teacher_set, engine_request, request_mode(request))
+    return ValidRequest(teacher_set, engine_request, request_mode(request), _replica(request, teacher_set))
 
 
 async def decode(valid: ValidRequest, limits: MediaLimits) -> ValidRequest:
@@ -162,6 +163,17 @@ def _score_ids(
         raise invalid("score_ids", f"id {bad} at row {first_row + row}, column {col} is outside "
                       f"[0, {info.vocab_size}) (-1 pads a row)")
     return torch.from_numpy(ids.astype(np.int64))
+
+
+def _replica(request: scoring_pb2.ScoreRequest, teacher_set: ReplicaSet) -> str | None:
+    """The replica a request is pinned to (None: routed as usual); one the teacher lacks is refused."""
+    if not request.replica:
+        return None
+    ids = [r.replica_id for r in teacher_set.replicas]
+    if request.replica not in ids:
+        raise invalid("replica", f"teacher {teacher_set.name!r} has no replica {request.replica!r} "
+                      f"(its replicas: {', '.join(ids)})")
+    return request.replica
 
 
 def _temperature(request: scoring_pb2.ScoreRequest, info: EngineInfo, teacher: str) -> float:

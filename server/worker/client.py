@@ -45,6 +45,7 @@ from proctor.server.engines.base import (
     TeacherEngine,
     started_info,
 )
+from proctor.server.engines.invariance import invariance_environment
 from proctor.server.pool import VISIBLE_DEVICES_ENV
 from proctor.server.worker import messages
 from proctor.server.worker.arena import create_arena
@@ -57,15 +58,15 @@ CLOSE_GRACE_S = 10.0
 
 
 def engine_environment(spec: EngineSpec) -> dict[str, str]:
-    """The variables a replica's engine processes must start with: its visible devices."""
+    """The variables a replica's engine processes must start with: its visible devices, and the
+    switch of vLLM's batch-invariant mode for a batch-invariant vLLM teacher (`invariance`)."""
     kind = spec.device.split(":", 1)[0]
     var = VISIBLE_DEVICES_ENV.get(kind)
-    if var is None:
-        return {}
     devices = list(spec.devices)
     if not devices and ":" in spec.device:
         devices = [spec.device.split(":", 1)[1]]
-    return {var: ",".join(devices)} if devices else {}
+    visible = {var: ",".join(devices)} if var is not None and devices else {}
+    return {**visible, **invariance_environment(spec)}
 
 
 def host_spec(spec: EngineSpec) -> EngineSpec:

@@ -44,6 +44,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from proctor.server.engines.base import EngineSpec, TeacherEngine
+from proctor.server.engines.invariance import invariance_environment
 from proctor.server.pool import PlacementPlan, ReplicaGroupPlan
 from proctor.server.worker.ray_engine import RayEngine
 
@@ -138,6 +139,7 @@ class RayPool:
         bundle = self.bundles[group.group_id]
         # Ray sets CUDA/ASCEND visibility for its GPU/NPU resources; for others, the plan's ids apply.
         env = {} if self.resource in ("GPU", "NPU") else group.visible_devices(self.plan.device_kind)
+        env = {**env, **invariance_environment(spec)}  # vLLM's batch-invariant switch, when asked for
         if bundle.spans_nodes:
             spec = replace(spec, placement_group=bundle.placement_group)
             # The engine's EngineCore (a child process of the actor) joins this cluster as a driver.

@@ -79,3 +79,16 @@ class InjectedReplicas:
 
     def serve(self) -> ServerThread:
         return start_server(self.router)
+
+
+def replica_router(name: str, specs: list[EngineSpec], **teacher) -> Router:
+    """One teacher whose replica i is `specs[i]`'s engine in a replica worker of its own (so replicas
+    may differ: one with perturbed weights, say); `teacher`: further ReplicaSet settings."""
+    from functools import partial
+
+    from proctor.server.engines.factory import create_replica_engine
+    from proctor.server.front.routing import engine_replica
+
+    replicas = [engine_replica(f"{name}-{i}", partial(create_replica_engine, spec, name=f"{name}-{i}"))
+                for i, spec in enumerate(specs)]
+    return Router([ReplicaSet(name, replicas, tokenizer_path=specs[0].model_path, **teacher)])

@@ -31,9 +31,11 @@ from proctor.server.engines.base import (
     serving_dtype,
     started_info,
 )
+from proctor.server.engines.invariance import batch_invariant, invariant_spec
 from proctor.server.engines.logit_transforms import LogitTransforms, logit_transforms
 from proctor.server.engines.multimodal import check_counts
 from proctor.server.engines.row_scores import score_rows
+from proctor.server.engines.torch import invariant
 from proctor.server.engines.torch.loading import build
 from proctor.server.engines.torch.media import PreparedMedia, TorchMedia, is_multimodal, load_multimodal_model
 from proctor.server.engines.torch.prefix import (
@@ -78,7 +80,8 @@ class TorchEngine(TeacherEngine):
     """A transformers model in this process; one forward pass per batch, on a worker thread."""
 
     def __init__(self, spec: EngineSpec) -> None:
-        self.spec = spec
+        self.spec = invariant_spec(spec)  # batch-invariant: checked, prompt reuse off
+        self._invariant = batch_invariant(self.spec.inference)
         self._model = None
         self._info: EngineInfo | None = None
         self._lock = threading.Lock()
@@ -132,6 +135,7 @@ class TorchEngine(TeacherEngine):
             outputs=(*EngineInfo.outputs, "score_ids"),
             score_ids_method="log_softmax",
             media=self._media.kinds if self._media is not None else (),
+            batch_invariant=self._invariant,
         )
         log.info("torch engine loaded %s on %s (%s)", path, device, dtype)
 
@@ -237,7 +241,8 @@ class TorchEngine(TeacherEngine):
             for i in kept:
                 if views[i].hidden_states:
                     results[i].hidden_states = states[i].to("cpu").clone()
-            self._head_outputs(model, [views[i] for i in kept], [states[i] for i in kept], [results[i] for i in kept])
+            head = invariant.per_request(self._head_outputs) if self._invariant else self._head_outputs
+            head(model, [views[i] for i in kept], [states[i] for i in kept], [results[i] for i in kept])
             if reuse is not None and self._prefix is not None:
                 for i, result in zip(text, self._prefix.finish(reuse, [results[i] for i in text]), strict=True):
                     results[i] = result
@@ -247,6 +252,9 @@ class TorchEngine(TeacherEngine):
         """Rows of hidden states for text-only requests: one padded pass of the decoder body,
         shared prefixes from their kept KV (torch.prefix) when prompt reuse is on."""
         body = self._model.get_decoder()
+        if self._invariant:  # batch-invariant: one unpadded pass per sequence (torch/invariant.py)
+            self.forward_passes += len(batch)
+            return PrefixPass(ReusePlan(), batch, invariant.sequence_states(body, batch), list(batch))
         if self._prefix is None:
             return PrefixPass(ReusePlan(), batch, self._padded_pass(body, batch, False)[0], list(batch))
         return self._prefix.states(body, batch, self._padded_pass)

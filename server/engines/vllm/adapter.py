@@ -94,3 +94,13 @@ def vllm_error_types() -> tuple[tuple[type, ...], tuple[type, ...]]:
     except ImportError:
         return (), ()
     return (VLLMClientError,), (EngineDeadError,)
+
+
+# vLLM's batch-invariant mode: the variable that switches it on (read by vLLM in every process it
+# starts, so it travels in the replica's environment), and the devices proctor lets it run on.
+# vLLM 0.32 installs its batch-invariant kernels for CUDA-like GPUs (CUDA, ROCm) and Intel XPUs
+# (`vllm/model_executor/determinism/batch_invariant.py`); proctor's devices are cpu, cuda and npu,
+# of which cuda is one. On CPU its Triton kernels do not exist: the EngineCore dies at the first
+# forward ("'function' object is not subscriptable"); vllm-ascend does not claim the mode.
+BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
+BATCH_INVARIANT_DEVICES = ("cuda",)

@@ -40,6 +40,7 @@ from proctor.server.engines.checkpoint import (
     load_unembedding,
     model_facts,
 )
+from proctor.server.engines.invariance import batch_invariant
 from proctor.server.engines.logit_transforms import logit_transforms
 from proctor.server.engines.multimodal import check_counts
 from proctor.server.engines.score_ids import FROM_HIDDEN
@@ -114,6 +115,7 @@ class VllmFamilyEngine(TeacherEngine):
             longest_sequence=self._max_sequence(max_len),
             temperature=self.temperature,
             score_ids_method=self.score_ids_method,
+            batch_invariant=batch_invariant(self.settings),  # vLLM's own mode (`invariance`)
         )
 
     def _max_sequence(self, max_model_len: int) -> int:
