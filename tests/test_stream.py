@@ -46,4 +46,10 @@ def test_hidden_states_over_8_mib_arrive_whole_through_the_stream(wide_server):
     assert b"".join(p.data for p in pieces) == unary.hidden_states.data  # bit-exact reassembly
     ref = reference_rows(path, ids)
     torch.testing.assert_close(hidden, ref.hidden_states, atol=1e-5, rtol=0)
-    torch.testing.assert_close(decode_tensor(chunks[0].response.logprobs).double(), ref.logprobs, atol=1e-5, rtol=0)
+    # Log-probs against the float64 forward: at hidden 2048 a float32 forward is itself ~2e-4 from it,
+    # and the engine's lm_head (row chunks of 1024) rounds differently from the reference's one
+    # matmul by ~1e-5, so the bound is the float32 reference's own error (+10%), not a fixed 1e-5.
+    exact = reference_rows(path, ids, dtype=torch.float64).logprobs
+    float32_error = float((ref.logprobs - exact).abs().max())
+    got = decode_tensor(chunks[0].response.logprobs).double()
+    assert float((got - exact).abs().max()) <= 1.1 * float32_error
