@@ -43,7 +43,6 @@ MIN_TOKENS = "prompt_reuse_min_tokens"
 MEMORY_MB = "prompt_reuse_memory_mb"
 TTL_S = "prompt_reuse_ttl_s"
 BLOCK_TOKENS = "prompt_reuse_block_tokens"
-SETTING_NAMES = (ENABLED, MIN_TOKENS, MEMORY_MB, TTL_S, BLOCK_TOKENS)
 
 
 class ReuseSettingError(ValueError):
