@@ -23,13 +23,13 @@ def test_the_pooler_answer_round_trips_every_section():
                  topk_ids=torch.randint(0, v, (n, k), dtype=torch.int32), topk_logprobs=torch.randn(n, k),
                  score_logprobs=torch.randn(n, ks), hidden=torch.randn(n, h).to(torch.bfloat16),
                  kept_logits=torch.randn(v), kept_hidden=torch.randn(h))
-    answer = unpack(pack(7, n, **parts, device=torch.device("cpu")))
-    assert (answer.first_row, answer.n) == (7, n)
+    answer = unpack(pack(7, n, **parts, positions=12, device=torch.device("cpu")))
+    assert (answer.first_row, answer.n, answer.positions) == (7, n, 12)
     for name, value in parts.items():
         assert torch.equal(getattr(answer, name), value.to(getattr(answer, name).dtype)), name
     assert answer.hidden.dtype == torch.bfloat16
     bare = unpack(pack(3, 0, logprobs=None, ranks=None, topk_ids=None, topk_logprobs=None, score_logprobs=None,
-                       hidden=None, kept_logits=None, kept_hidden=None, device=torch.device("cpu")))
+                       hidden=None, kept_logits=None, kept_hidden=None, positions=1, device=torch.device("cpu")))
     assert bare.logprobs is None and bare.hidden is None and bare.first_row == 3
     with pytest.raises(ValueError, match="header"):
         unpack(torch.zeros(8, dtype=torch.uint8))
