@@ -13,19 +13,16 @@ import torch
 
 from proctor.proto import scoring_pb2, scoring_pb2_grpc
 from proctor.proto.codec import decode_tensor
-from proctor.server.config import single_teacher_router
-from proctor.server.engines.base import EngineSpec
 
 from support.groups import FP32_ATOL, interleaved, make_groups
 from support.reference import reference_rows
+from support.routers import reuse_router
 from support.servers import metric_value, start_server
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    spec = EngineSpec(name="torch", model_path=str(tiny_model_dir), dtype="float32", max_topk=8,
-                      inference={"prompt_reuse_min_tokens": 16})
-    server = start_server(single_teacher_router(spec, name="tiny", replicas=2, health_check_interval_s=None))
+    server = start_server(reuse_router(tiny_model_dir))
     yield server
     server.stop()
 

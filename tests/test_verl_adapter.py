@@ -190,14 +190,10 @@ def test_media_items_become_bytes_with_a_type():
 @pytest.fixture(scope="module")
 def reuse_server(tiny_model_dir):
     """Two torch replicas that reuse shared prefixes of 16 tokens and more."""
-    from proctor.server.config import single_teacher_router
-    from proctor.server.engines.base import EngineSpec
-
+    from support.routers import reuse_router
     from support.servers import start_server
 
-    spec = EngineSpec(name="torch", model_path=str(tiny_model_dir), dtype="float32", max_topk=8,
-                      inference={"prompt_reuse_min_tokens": 16})
-    server = start_server(single_teacher_router(spec, name="tiny", replicas=2, health_check_interval_s=None))
+    server = start_server(reuse_router(tiny_model_dir))
     yield server
     server.stop()
 

@@ -92,3 +92,13 @@ def replica_router(name: str, specs: list[EngineSpec], **teacher) -> Router:
     replicas = [engine_replica(f"{name}-{i}", partial(create_replica_engine, spec, name=f"{name}-{i}"))
                 for i, spec in enumerate(specs)]
     return Router([ReplicaSet(name, replicas, tokenizer_path=specs[0].model_path, **teacher)])
+
+
+def reuse_router(model_dir: Path, *, replicas: int = 2) -> Router:
+    """The tiny teacher in fp32 on `replicas` torch replicas that reuse shared prefixes of 16
+    tokens and more (the shared-prefix suites' groups are short)."""
+    from proctor.server.config import single_teacher_router
+
+    spec = EngineSpec(name="torch", model_path=str(model_dir), dtype="float32", max_topk=8,
+                      inference={"prompt_reuse_min_tokens": 16})
+    return single_teacher_router(spec, name="tiny", replicas=replicas, health_check_interval_s=None)
