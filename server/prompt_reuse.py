@@ -235,7 +235,7 @@ class PrefixStore(Generic[V]):
         its id, or None when it alone exceeds the cap (then it is not kept)."""
         tokens = token_array(token_ids).copy()
         hashes = self.hashes(tokens) if hashes is None else hashes
-        nbytes = int(nbytes) + tokens.nbytes + 40 * len(hashes)
+        nbytes = _held(tokens, hashes, nbytes)
         now = self.clock()
         with self._lock:
             if nbytes > self.memory_bytes:
@@ -260,7 +260,7 @@ class PrefixStore(Generic[V]):
             record = self._records.get(record_id)
             if record is None:
                 return
-            grown = record.tokens.nbytes + 40 * len(record.hashes) + int(nbytes)
+            grown = _held(record.tokens, record.hashes, nbytes)
             self._bytes += grown - record.nbytes
             record.nbytes = grown
             while self._bytes > self.memory_bytes and self._records:
@@ -296,6 +296,10 @@ class PrefixStore(Generic[V]):
                 return
             self._drop(oldest_id)
             self.stats.evictions += 1
+
+
+def _held(tokens: np.ndarray, hashes: list[bytes], nbytes: int) -> int:
+    return int(nbytes) + tokens.nbytes + 40 * len(hashes)  # its value, its tokens, its index entries
 
 
 # The front's affinity keeps every few block hashes of a request: enough to tell groups apart.

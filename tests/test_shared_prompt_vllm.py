@@ -57,8 +57,8 @@ async def _uncached(engine, requests: list[EngineRequest]) -> list:
 
     async def one(request: EngineRequest):
         answer = await engine.encode(request, read_cache=False)
-        assert answer.pooled.first_row == request.first_row
-        return engine.computed_rows(request, answer.pooled)
+        assert answer.first_row == request.first_row
+        return engine.computed_rows(request, answer)
 
     return [await one(r) for r in requests]
 

@@ -64,13 +64,11 @@ class SequenceState:
 
 @dataclass
 class Follower:
-    """A request scored from a source's prefix: rows up to `copy_end` copied (first_row - 1: none),
-    positions from `past` on computed against the source's KV."""
+    """A request scored from a source's prefix: positions from `past` on computed against the
+    source's KV, its rows up to `past` (from its first row) copied."""
 
     index: int
     source: object  # the stored SequenceState, or the batch index (int) of a leader in this batch
-    shared: int
-    copy_end: int
     past: int
 
 
@@ -155,7 +153,7 @@ class TorchPrefix:
             past = copy_end if copy_end >= request.first_row else min(request.first_row - 1, shared)
             # the last shared position is recomputed when the rows before it are copied: hence least - 1
             if past >= least - 1 and past > 0 and (best is None or past > best.past):
-                best = Follower(index, source, shared, copy_end, past)
+                best = Follower(index, source, past)
         return best
 
     def states(self, body: torch.nn.Module, batch: list[EngineRequest], padded: PaddedPass) -> PrefixPass:
@@ -202,7 +200,6 @@ class TorchPrefix:
             result.computed_tokens = batch[index].num_tokens
             result.prompt_reused_tokens = 0 if index in applied else None
         for index, state in plan.states.items():
-            state.rows = RowRecord.asked_by(batch[index])
             state.rows.result = results[index]
             self.cache.put(batch[index].token_ids, state, state.nbytes, plan.hashes[index])
         for follower in plan.followers:

@@ -40,7 +40,7 @@ from proctor.server.engines.vllm.errors import input_error
 from proctor.server.engines.vllm.family import PROBE_TIMEOUT_S, VllmFamilyEngine
 from proctor.server.engines.vllm.media import VllmMedia
 from proctor.server.engines.vllm.pooled_scores import PooledScores, ScoreAsk, unpack
-from proctor.server.engines.vllm.prefix import KeptRow, PoolerAnswer, PrefixLane, kept_row
+from proctor.server.engines.vllm.prefix import KeptRow, PrefixLane, kept_row
 from proctor.server.engines.vllm.scoring_model import scoring_architecture
 from proctor.server.prompt_reuse import ReuseSettings
 
@@ -145,7 +145,7 @@ class VllmEngine(VllmFamilyEngine):
         if self._lane is not None and self._reuse.applies(request):
             return await self._lane.run(request, self)
         answer = await self.encode(request, read_cache=False)
-        result = self.computed_rows(request, answer.pooled)
+        result = self.computed_rows(request, answer)
         result.computed_tokens = answer.positions
         return result
 
@@ -163,7 +163,7 @@ class VllmEngine(VllmFamilyEngine):
             keep_row=keep_row,
         )
 
-    async def encode(self, request: EngineRequest, *, read_cache: bool, keep_row: int = 0) -> PoolerAnswer:
+    async def encode(self, request: EngineRequest, *, read_cache: bool, keep_row: int = 0) -> PooledScores:
         """One pooled prefill of the request; `read_cache` lets vLLM skip its cached prefix,
         `keep_row` asks the pooler to keep that row's raw logits and hidden state."""
         _, _, PoolingParams, _ = engine_classes()
@@ -188,7 +188,7 @@ class VllmEngine(VllmFamilyEngine):
         prompt = TokensPrompt(prompt_token_ids=request.token_ids[:length].tolist())
         final = await self._final(self._llm.encode(prompt, params, request_id=f"{engine_request_id(request)}-p{length}"))
         answer = _answer(final)
-        row = kept_row(answer.pooled)
+        row = kept_row(answer)
         if row is None:
             raise EngineError("vLLM's answer for a prefix alone lacks its last position's row")
         return row, answer.positions
@@ -229,12 +229,12 @@ class VllmEngine(VllmFamilyEngine):
         return result
 
 
-def _answer(final) -> PoolerAnswer:
+def _answer(final) -> PooledScores:
     try:
         pooled = unpack(final.outputs.data)
     except ValueError as exc:
         raise EngineError(f"vLLM's scoring answer is malformed: {exc}") from exc
-    return PoolerAnswer(pooled, pooled.positions)
+    return pooled
 
 
 def _fill(result: EngineResult, request: EngineRequest, pooled: PooledScores, dtype: torch.dtype) -> None:

@@ -48,6 +48,12 @@ class Take(enum.Enum):
     RESCORE = "rescore"  # a needed row was neither computed nor available: score again uncached
 
 
+def covers(copy_end: int, shared: int, first_row: int) -> bool:
+    """Whether a source that shares `shared` tokens and can give rows up to `copy_end` gives every
+    wanted row inside the shared prefix but its last (row `shared`, computed from the prefix alone)."""
+    return copy_end >= shared - 1 or shared - 1 < first_row
+
+
 def take(first_computed: int, first_row: int, copy_end: int, shared: int) -> Take:
     """How an answer whose first computed row is `first_computed` may be used for a request that
     wants rows from `first_row`, whose source can give rows up to `copy_end` and shares `shared` tokens."""
@@ -56,7 +62,7 @@ def take(first_computed: int, first_row: int, copy_end: int, shared: int) -> Tak
     last_missing = first_computed - 1
     if last_missing <= copy_end:
         return Take.COPY
-    if last_missing == shared and (copy_end >= shared - 1 or shared - 1 < first_row):
+    if last_missing == shared and covers(copy_end, shared, first_row):
         return Take.ROW
     return Take.RESCORE
 
@@ -73,18 +79,10 @@ class KeptRow:
         return self.logits.numel() * 4 + self.hidden.numel() * 4
 
 
-@dataclass
-class PoolerAnswer:
-    """vLLM's answer for one request, unpacked, and the positions the pooler saw for it."""
-
-    pooled: PooledScores
-    positions: int
-
-
 class Scorer(Protocol):
     """What the lane asks of the engine."""
 
-    async def encode(self, request: EngineRequest, *, read_cache: bool, keep_row: int = 0) -> PoolerAnswer: ...
+    async def encode(self, request: EngineRequest, *, read_cache: bool, keep_row: int = 0) -> PooledScores: ...
 
     async def prefix_row(self, request: EngineRequest, length: int) -> tuple[KeptRow, int]: ...
 
@@ -139,7 +137,7 @@ class PrefixLane:
             for match in found:
                 if match.value.done.done() and match.value.rows.result is not None:
                     copy_end = match.value.rows.copyable_end(request, match.shared)
-                    if copy_end >= match.shared - 1 or match.shared - 1 < request.first_row:
+                    if covers(copy_end, match.shared, request.first_row):
                         return match, copy_end
             waiting = [match.value.done for match in found if not match.value.done.done()]
             if not waiting:
@@ -153,8 +151,8 @@ class PrefixLane:
         try:
             keep = request.first_row if request.first_row > 1 else 0  # row P, where a group's responses part
             answer = await engine.encode(request, read_cache=False, keep_row=keep)
-            result = engine.computed_rows(request, answer.pooled)
-            if (row := kept_row(answer.pooled)) is not None:
+            result = engine.computed_rows(request, answer)
+            if (row := kept_row(answer)) is not None:
                 record.kept[keep] = row
             record.rows.result = result
             if record_id is not None:
@@ -174,7 +172,7 @@ class PrefixLane:
         source, shared = found.value, found.shared
         answer = await engine.encode(request, read_cache=True)
         computed = answer.positions
-        first = answer.pooled.first_row
+        first = answer.first_row
         how = take(first, request.first_row, copy_end, shared)
         parts: list[EngineResult] = []
         if how in (Take.COPY, Take.ROW):
@@ -193,10 +191,10 @@ class PrefixLane:
             log.debug("request %s: its answer starts at row %d, its source shares %d tokens; scored again uncached",
                       request.request_id, first, shared)
             again = await engine.encode(request, read_cache=False)
-            result = engine.computed_rows(request, again.pooled)
+            result = engine.computed_rows(request, again)
             result.prompt_reused_tokens, result.computed_tokens = 0, computed + again.positions
             return result
-        parts.append(engine.computed_rows(request, answer.pooled))
+        parts.append(engine.computed_rows(request, answer))
         result = joined(request, parts) if len(parts) > 1 else parts[0]
         result.prompt_reused_tokens = request.num_tokens - answer.positions
         result.computed_tokens = computed
