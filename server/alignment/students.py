@@ -13,6 +13,7 @@ Nothing here is loaded or built inside a request.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +57,7 @@ class TeacherTokenizer:
 
     tokenizer: Any
     table: TokenBytes
+    specials: re.Pattern[str] | None = None  # any of its special tokens' text (None: it has none)
 
     @property
     def chat_template(self) -> bool:
@@ -97,7 +99,9 @@ def _teacher(name: str, path: str | None) -> TeacherTokenizer | str:
         return f"teacher {name!r} has no tokenizer directory here"
     try:
         tokenizer = load_tokenizer(path)
-        return TeacherTokenizer(tokenizer, TokenBytes.of(tokenizer))
+        table = TokenBytes.of(tokenizer)
+        texts = table.special_texts()
+        return TeacherTokenizer(tokenizer, table, re.compile("|".join(map(re.escape, texts))) if texts else None)
     except NotByteLevel as exc:
         return f"teacher {name!r}'s tokenizer: {exc}"
     except Exception as exc:

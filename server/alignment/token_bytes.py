@@ -64,6 +64,9 @@ class TokenBytes:
     backend: Any  # the `tokenizers.Tokenizer` that tokenizes text for this vocabulary
     flat: np.ndarray  # uint8: every id's bytes one after another
     offsets: np.ndarray  # int64 [V]: where id i's bytes start in `flat`
+    # The same tokenizer with its special tokens' text split as ordinary text: a student's plain
+    # "<|im_end|>" must stay plain text for the teacher, never become its special token.
+    plain_backend: Any = None
 
     @classmethod
     def of(cls, tokenizer: Any) -> TokenBytes:
@@ -95,7 +98,9 @@ class TokenBytes:
         lengths = np.fromiter((len(p) for p in pieces), dtype=np.int64, count=size)
         flat = np.frombuffer(b"".join(pieces), dtype=np.uint8)
         offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-        return cls(tuple(pieces), special, lengths, byte_ids, backend, flat, offsets)
+        plain = type(backend).from_str(backend.to_str())
+        plain.encode_special_tokens = True
+        return cls(tuple(pieces), special, lengths, byte_ids, backend, flat, offsets, plain)
 
     @property
     def size(self) -> int:
@@ -109,29 +114,36 @@ class TokenBytes:
         shift = np.repeat(self.offsets[ids] - (ends - lengths), lengths)
         return self.flat[shift + np.arange(len(shift))].tobytes()
 
-    def encode(self, data: bytes) -> np.ndarray:
-        """`data` tokenized as this tokenizer tokenizes text (special tokens recognised): its valid
-        UTF-8 runs by the tokenizer, each byte that is not UTF-8 by its own single-byte token.
-        ValueError when the tokens do not spell `data` back (a normalizer that changes the text,
-        or a byte without a token of its own)."""
+    def encode(self, data: bytes, *, specials: bool = True) -> np.ndarray:
+        """`data` tokenized as this tokenizer tokenizes text (special tokens recognised unless
+        `specials` is False): its valid UTF-8 runs by the tokenizer, each byte that is not UTF-8
+        by its own single-byte token. ValueError when the tokens do not spell `data` back (a
+        normalizer that changes the text, or a byte without a token of its own)."""
         text = data.decode("utf-8", errors="surrogateescape")
         parts: list[list[int]] = []
         start = 0
         for bad in _ESCAPED_BYTE.finditer(text):
             if bad.start() > start:
-                parts.append(self.encode_text(text[start:bad.start()]))
+                parts.append(self.encode_text(text[start:bad.start()], specials=specials))
             byte = ord(bad.group()) - 0xDC00
             if self.byte_ids[byte] < 0:
                 raise ValueError(f"byte 0x{byte:02x} has no token of its own in this vocabulary")
             parts.append([int(self.byte_ids[byte])])
             start = bad.end()
         if start < len(text):
-            parts.append(self.encode_text(text[start:]))
+            parts.append(self.encode_text(text[start:], specials=specials))
         ids = np.concatenate([np.asarray(part, dtype=np.int64) for part in parts]) if parts else np.zeros(0, np.int64)
         if self.decode(ids) != data:
             raise ValueError("the tokenizer does not spell the text back byte for byte (its normalizer changes it)")
         return ids
 
-    def encode_text(self, text: str) -> list[int]:
-        """`text` as this tokenizer tokenizes it (special tokens recognised, none added)."""
-        return self.backend.encode(text, add_special_tokens=False).ids
+    def encode_text(self, text: str, *, specials: bool = True) -> list[int]:
+        """`text` as this tokenizer tokenizes it (none added; special tokens recognised unless
+        `specials` is False, then their text is split as any other)."""
+        backend = self.backend if specials or self.plain_backend is None else self.plain_backend
+        return backend.encode(text, add_special_tokens=False).ids
+
+    def special_texts(self) -> list[str]:
+        """The text of every special (added) token, longest first."""
+        return sorted({self.pieces[i].decode("utf-8", "replace") for i in np.flatnonzero(self.special)
+                       if self.pieces[i]}, key=len, reverse=True)

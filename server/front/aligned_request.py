@@ -8,6 +8,14 @@ by the teacher's tokenizer; with identical vocabularies the student's ids are th
 they are, so the answer is the plain request's. What comes out is an ordinary request over the
 teacher's sequence (prompt_length = the teacher prompt's length), scored by the usual path,
 and the chunks that map its rows back. Each check raises `invalid(field, ...)`.
+
+Two steps, for a hostile caller: `check_sizes` holds every size rule of a plain request (the
+student's ids, the teacher's prompt ids, the count and length of `messages`) by counting alone,
+in microseconds, before admission; only then does `plan_aligned` do the work that grows with
+the request (rendering, tokenizing, mapping), admitted and off the event loop. Special tokens
+come only from the teacher's template and the student's own special ids: `messages` holding a
+teacher special token's text is refused (it would inject a role turn), and a student's plain
+text "<|im_end|>" is tokenized as plain text, never as the teacher's special token.
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ from proctor.server.front.http_models import extend_ids
 from proctor.server.front.validation import response_first_row
 
 # What an aligned request cannot ask for: its answer is in the student's rows, and these are not.
-_NOT_ALIGNED = ("hidden_states", "score_ids", "images", "videos", "audios", "mm_processor_kwargs")
+_NOT_ALIGNED = ("hidden_states", "score_ids", "images", "videos", "audios", "mm_processor_kwargs", "replica")
 
 
 @dataclass(frozen=True)
@@ -55,8 +63,33 @@ def _refuse_unaligned_outputs(request: scoring_pb2.ScoreRequest) -> None:
     for name in _NOT_ALIGNED:
         field = getattr(request, name)
         if (request.HasField(name) if name == "score_ids" else bool(field)):
-            raise invalid(name, "is not served with student_tokenizer: an aligned answer is in the student's rows "
-                          "(chunk log-likelihoods and top-k), which these are not")
+            why = ("a pinned replica is not served with student_tokenizer (an aligned request is routed as the "
+                   "teacher's request it becomes)" if name == "replica" else
+                   "is not served with student_tokenizer: an aligned answer is in the student's rows "
+                   "(chunk log-likelihoods and top-k), which these are not")
+            raise invalid(name, why)
+
+
+def check_sizes(request: scoring_pb2.ScoreRequest, pair: Pair, info: EngineInfo, teacher: str) -> int:
+    """Every size rule, by counting only (no copy, no rendering, no tokenizing): the tokens the
+    request may cost, for admission. A text of C characters is at least C bytes, so it renders to
+    at least C / (the teacher's longest token in bytes) tokens: past `max_sequence_tokens` of
+    those it cannot fit, and is refused before anything reads it."""
+    _refuse_unaligned_outputs(request)
+    limit = info.max_sequence_tokens
+    for name in ("token_ids", "teacher_prompt_ids"):
+        count = len(getattr(request, name))
+        if count > limit:
+            raise invalid(name, f"has {count} tokens, more than teacher {teacher!r} scores ({limit})")
+    if len(request.messages) > limit:
+        raise invalid("messages", f"has {len(request.messages)} messages, more than teacher {teacher!r} scores "
+                      f"tokens ({limit})")
+    chars = sum(len(m.role) + len(m.content) for m in request.messages)
+    most = limit * max(1, int(pair.teacher.table.lengths.max()))
+    if chars > most:
+        raise invalid("messages", f"hold {chars} characters; teacher {teacher!r} scores {limit} tokens of at most "
+                      f"{most // limit} bytes each, so at most {most} characters fit")
+    return min(limit, len(request.token_ids) + len(request.teacher_prompt_ids) + chars)
 
 
 def _student_ids(request: scoring_pb2.ScoreRequest, pair: Pair) -> np.ndarray:
@@ -95,6 +128,13 @@ def _rendered(request: scoring_pb2.ScoreRequest, pair: Pair, teacher: str) -> np
     tokenizer = pair.teacher.tokenizer
     if not pair.teacher.chat_template:
         raise invalid("messages", f"teacher {teacher!r}'s tokenizer has no chat template; send teacher_prompt_ids")
+    specials = pair.teacher.specials
+    for index, message in enumerate(request.messages):
+        for name in ("role", "content"):
+            found = specials.search(getattr(message, name)) if specials is not None else None
+            if found:
+                raise invalid(f"messages[{index}].{name}", f"holds {found.group()!r}, a special token of teacher "
+                              f"{teacher!r}: only its chat template places those (a turn of another role)")
     conversation = [{"role": m.role, "content": m.content} for m in request.messages]
     try:
         text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
@@ -107,13 +147,21 @@ def _rendered(request: scoring_pb2.ScoreRequest, pair: Pair, teacher: str) -> np
 
 
 def _teacher_response(response: np.ndarray, pair: Pair) -> np.ndarray:
+    """The response as the teacher's ids: each run of the student's plain tokens tokenized as
+    plain text (special-token text split), each run of its special ids with specials recognised."""
     if pair.identical:  # the same vocabulary: the teacher scores the student's own tokens
         return response
-    data = pair.student.table.decode(response)
-    try:
-        ids = pair.teacher.table.encode(data)
-    except ValueError as exc:
-        raise invalid("token_ids", f"the teacher's tokenizer cannot tokenize the response's bytes exactly: {exc}") from None
+    special = pair.student.table.special[response]
+    cuts = np.flatnonzero(special[1:] != special[:-1]) + 1
+    parts = []
+    for run, flags in zip(np.split(response, cuts), np.split(special, cuts), strict=True):
+        data = pair.student.table.decode(run)
+        try:
+            parts.append(pair.teacher.table.encode(data, specials=bool(flags[0])))
+        except ValueError as exc:
+            raise invalid("token_ids", f"the teacher's tokenizer cannot tokenize the response's bytes exactly: "
+                          f"{exc}") from None
+    ids = np.concatenate(parts) if parts else np.zeros(0, np.int64)
     if (pair.teacher.table.lengths[ids] == 0).any():  # a token of no bytes has no place in a chunk
         raise invalid("token_ids", "the teacher's tokenizer makes a token of no bytes from the response")
     return ids
@@ -121,8 +169,7 @@ def _teacher_response(response: np.ndarray, pair: Pair) -> np.ndarray:
 
 def plan_aligned(request: scoring_pb2.ScoreRequest, pair: Pair, info: EngineInfo, teacher: str) -> AlignedPlan:
     """The teacher's request for an aligned one, and its chunks (the work grows with the request:
-    run it off the event loop when large)."""
-    _refuse_unaligned_outputs(request)
+    run it admitted and off the event loop, after `check_sizes`)."""
     ids = _student_ids(request, pair)
     first_row = response_first_row(request, len(ids))
     prompt = _teacher_prompt(request, pair, info, teacher)

@@ -3,8 +3,10 @@
 An aligned request is routed as any other (its `teacher_key`), checked and turned into the
 teacher's request (`aligned_request.plan_aligned`), scored through the service's own path
 (validation, admission, routing, failover, metrics), and its answer mapped to the student's
-rows (`ScoredRequest.aligned`). The work that grows with the request (decoding, tokenizing,
-mapping) runs in a worker thread once the request is large, so the event loop keeps serving.
+rows (`ScoredRequest.aligned`). Its sizes are checked by counting before anything else
+(`check_sizes`); then it is admitted, and only then does the work that grows with it (rendering,
+decoding, tokenizing, mapping) run, in a worker thread once the request is large, so the event
+loop keeps serving.
 The student tokenizers and every pair's map are loaded once, at start (`load`).
 """
 
@@ -19,7 +21,7 @@ from typing import TYPE_CHECKING
 from proctor.proto import scoring_pb2
 from proctor.server.alignment.students import StudentTokenizers, Unalignable
 from proctor.server.errors import Code, ScoringError, invalid
-from proctor.server.front.aligned_request import plan_aligned
+from proctor.server.front.aligned_request import check_sizes, plan_aligned
 from proctor.server.front.http_request import off_loop_if
 from proctor.server.front.validation import request_mode
 
@@ -51,15 +53,26 @@ class AlignedScoring:
         teacher_set = service.route(request)
         large = len(request.token_ids) > ALIGN_INLINE_TOKENS or bool(request.messages)
         try:
+            service.check_serving()
             try:
                 pair = self.tokenizers.pair(request.student_tokenizer, teacher_set.name)
             except Unalignable as exc:
                 raise invalid("student_tokenizer", str(exc)) from None
-            plan = await off_loop_if(large, plan_aligned, request, pair, teacher_set.info, teacher_set.name)
+            tokens = check_sizes(request, pair, teacher_set.info, teacher_set.name)
+            admission = service.admit(teacher_set, tokens)
         except ScoringError as exc:
             service.metrics.request_done(teacher_set.name, mode, exc.code.name.lower())
             raise
-        scored = await service.score_teacher(plan.teacher_request, timeout=timeout, unary=unary, mode=mode)
+        try:
+            try:
+                plan = await off_loop_if(large, plan_aligned, request, pair, teacher_set.info, teacher_set.name)
+            except ScoringError as exc:
+                service.metrics.request_done(teacher_set.name, mode, exc.code.name.lower())
+                raise
+            scored = await service.score_teacher(plan.teacher_request, timeout=timeout, unary=unary, mode=mode,
+                                                 admitted=True)
+        finally:
+            service.release(admission, tokens)
         try:
             answer = await off_loop_if(large, plan.answer, scored.result)
         except Exception as exc:  # a fault of the mapping, not of the request: say so, never a wrong answer

@@ -117,7 +117,7 @@ class ScoringService:
     def ready(self) -> bool:
         return self.state is ServiceState.SERVING and all(t.in_service() for t in self.router.teachers.values())
 
-    def _check_serving(self) -> None:
+    def check_serving(self) -> None:
         if self.state is not ServiceState.SERVING:
             raise ScoringError(Code.UNAVAILABLE, f"server is {self.state.value}", retry_after=NOT_READY_RETRY_S)
 
@@ -132,7 +132,8 @@ class ScoringService:
             self.metrics.request_done("unknown", request_mode(request), exc.code.name.lower())
             raise
 
-    def _admit(self, teacher_set: ReplicaSet, tokens: int) -> _Admission:
+    def admit(self, teacher_set: ReplicaSet, tokens: int) -> _Admission:
+        """Count `tokens` against the teacher's budget, or refuse at once (RESOURCE_EXHAUSTED)."""
         admission = self._admitted[teacher_set.name]
         if (
             admission.requests + 1 > self.limits.max_queue_requests
@@ -150,7 +151,7 @@ class ScoringService:
         self._idle.clear()
         return admission
 
-    def _release(self, admission: _Admission, tokens: int) -> None:
+    def release(self, admission: _Admission, tokens: int) -> None:
         admission.requests -= 1
         admission.tokens -= tokens
         self._in_flight -= 1
@@ -170,23 +171,25 @@ class ScoringService:
         return await self.score_teacher(request, timeout=timeout, unary=unary)
 
     async def score_teacher(self, request: scoring_pb2.ScoreRequest, *, timeout: float | None = None,
-                            unary: bool = True, mode: str | None = None) -> ScoredRequest:
-        """Score a request over the teacher's own ids (counted under `mode`, default its own)."""
+                            unary: bool = True, mode: str | None = None, admitted: bool = False) -> ScoredRequest:
+        """Score a request over the teacher's own ids (counted under `mode`, default its own);
+        `admitted`: its caller has admitted it already (an aligned request, admitted before planning)."""
         started = time.monotonic()
         mode = mode or request_mode(request)
         teacher_name = "unknown"
         try:
-            self._check_serving()
+            self.check_serving()
             teacher_set = self.router.route(request.teacher_key)
             teacher_name = teacher_set.name
             valid = validate(teacher_set, request, max_answer_bytes=self.limits.max_answer_bytes if unary else None)
             valid = await decode(valid, self.limits.media)
             tokens = valid.request.num_tokens
-            admission = self._admit(valid.teacher_set, tokens)
+            admission = None if admitted else self.admit(valid.teacher_set, tokens)
             try:
                 result = await self._score_admitted(valid, timeout)
             finally:
-                self._release(admission, tokens)
+                if admission is not None:
+                    self.release(admission, tokens)
         except ScoringError as exc:
             self.metrics.request_done(teacher_name, mode, exc.code.name.lower())
             raise
@@ -254,7 +257,7 @@ class ScoringService:
 
     async def unembedding(self, teacher_key: str) -> tuple[torch.Tensor, str]:
         """The teacher's output embedding [V, H] and its fingerprint, fetched off the loop."""
-        self._check_serving()
+        self.check_serving()
         teacher_set = self.router.route(teacher_key)
         replica = next((r for r in teacher_set.in_service() if r.engine is not None), None)
         if replica is None:
