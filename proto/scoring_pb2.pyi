@@ -60,7 +60,7 @@ class Media(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., media_type: _Optional[str] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("request_id", "teacher_key", "token_ids", "prompt_length", "logprobs", "topk", "hidden_states", "images", "videos", "audios", "mm_processor_kwargs", "temperature", "score_ids", "student_tokenizer", "teacher_prompt_ids", "messages", "replica")
+    __slots__ = ("request_id", "teacher_key", "token_ids", "prompt_length", "logprobs", "topk", "hidden_states", "images", "videos", "audios", "mm_processor_kwargs", "temperature", "score_ids", "student_tokenizer", "teacher_prompt_ids", "messages", "replica", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEACHER_KEY_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,7 @@ class ScoreRequest(_message.Message):
     TEACHER_PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     teacher_key: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -95,7 +96,8 @@ class ScoreRequest(_message.Message):
     teacher_prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     messages: _containers.RepeatedCompositeFieldContainer[AlignedMessage]
     replica: str
-    def __init__(self, request_id: _Optional[str] = ..., teacher_key: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., prompt_length: _Optional[int] = ..., logprobs: _Optional[bool] = ..., topk: _Optional[int] = ..., hidden_states: _Optional[bool] = ..., images: _Optional[_Iterable[_Union[Media, _Mapping]]] = ..., videos: _Optional[_Iterable[_Union[Media, _Mapping]]] = ..., audios: _Optional[_Iterable[_Union[Media, _Mapping]]] = ..., mm_processor_kwargs: _Optional[str] = ..., temperature: _Optional[float] = ..., score_ids: _Optional[_Union[Tensor, _Mapping]] = ..., student_tokenizer: _Optional[str] = ..., teacher_prompt_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[AlignedMessage, _Mapping]]] = ..., replica: _Optional[str] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., teacher_key: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., prompt_length: _Optional[int] = ..., logprobs: _Optional[bool] = ..., topk: _Optional[int] = ..., hidden_states: _Optional[bool] = ..., images: _Optional[_Iterable[_Union[Media, _Mapping]]] = ..., videos: _Optional[_Iterable[_Union[Media, _Mapping]]] = ..., audios: _Optional[_Iterable[_Union[Media, _Mapping]]] = ..., mm_processor_kwargs: _Optional[str] = ..., temperature: _Optional[float] = ..., score_ids: _Optional[_Union[Tensor, _Mapping]] = ..., student_tokenizer: _Optional[str] = ..., teacher_prompt_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[AlignedMessage, _Mapping]]] = ..., replica: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class AlignedMessage(_message.Message):
     __slots__ = ("role", "content")

@@ -40,7 +40,8 @@ class ScoringError(Exception):
     def __init__(
         self, code: Code, message: str, *, field: str | None = None, retry_after: float | None = None
     ) -> None:
-        message, field = _printable(message), _printable(field) if field is not None else None
+        message = _bounded(_printable(message), MAX_MESSAGE_BYTES)
+        field = _bounded(_printable(field), MAX_FIELD_BYTES) if field is not None else None
         super().__init__(message)
         self.code = code
         self.message = message
@@ -49,6 +50,22 @@ class ScoringError(Exception):
 
     def __str__(self) -> str:
         return self.message
+
+
+# What an error may echo: a message (or field name) built from a hostile value is cut, so that
+# it always fits gRPC's status metadata (8 KiB of headers by default) and an HTTP answer stays
+# small; an overflowing status would turn the caller's error into RESOURCE_EXHAUSTED, retried.
+# Bytes of UTF-8: gRPC percent-encodes a non-ASCII byte as 3, so 1 KiB stays under 3 KiB.
+MAX_MESSAGE_BYTES = 1024
+MAX_FIELD_BYTES = 128
+
+
+def _bounded(text: str, limit: int) -> str:
+    """`text`, or its first `limit` bytes of UTF-8 (whole characters) and how many were cut."""
+    data = text.encode("utf-8")
+    if len(data) <= limit:
+        return text
+    return f"{data[:limit].decode('utf-8', 'ignore')}... ({len(data) - limit} more bytes cut)"
 
 
 def _printable(text: str) -> str:

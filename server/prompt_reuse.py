@@ -13,8 +13,8 @@ with a time to live since last use and a cap on the bytes held, so a trainer tha
 prefix costs a bounded amount of memory. A record is indexed by the chained hashes of its full
 blocks of `block_tokens` tokens (hash k covers tokens 0..(k+1)B-1, as vLLM's prefix cache keys its
 blocks): a lookup walks the request's own chain to the deepest block some record holds, then
-compares the tokens to get the exact common prefix, so a hash collision can never hand one
-sequence another's rows.
+compares the tokens (a hash collision never hands one sequence another's rows). A request's
+`cache_salt` seeds its chain (as vLLM's first block hash): salts never find each other's records.
 
 Reuse applies to a request when it is on (`inference.prompt_reuse`, default true), the request
 is at least `inference.prompt_reuse_min_tokens` long (a shorter shared prefix is cheaper to
@@ -104,13 +104,13 @@ def token_array(token_ids: torch.Tensor | np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(token_ids, dtype=np.int64)
 
 
-def block_hashes(token_ids: torch.Tensor | np.ndarray, block: int) -> list[bytes]:
-    """The chained 128-bit hashes of the full blocks of `block` tokens: hash k covers tokens
-    0..(k+1)*block-1 (the previous hash and block k), so equal hashes mean equal prefixes."""
+def block_hashes(token_ids: torch.Tensor | np.ndarray, block: int, salt: str = "") -> list[bytes]:
+    """The chained 128-bit hashes of the full blocks of `block` tokens: hash k covers the salt and
+    tokens 0..(k+1)*block-1 (the previous hash and block k), so equal hashes mean equal prefixes."""
     data = token_array(token_ids).tobytes()
     step = block * 8
     hashes: list[bytes] = []
-    previous = b""
+    previous = hashlib.blake2b(salt.encode("utf-8", "surrogatepass"), digest_size=16).digest() if salt else b""
     for start in range(0, len(data) - step + 1, step):
         previous = hashlib.blake2b(previous + data[start : start + step], digest_size=16).digest()
         hashes.append(previous)
@@ -190,8 +190,8 @@ class PrefixStore(Generic[V]):
     def __len__(self) -> int:
         return len(self._records)
 
-    def hashes(self, token_ids: torch.Tensor | np.ndarray) -> list[bytes]:
-        return block_hashes(token_ids, self.block_tokens)
+    def hashes(self, token_ids: torch.Tensor | np.ndarray, salt: str = "") -> list[bytes]:
+        return block_hashes(token_ids, self.block_tokens, salt)
 
     def find(self, token_ids: torch.Tensor | np.ndarray, hashes: list[bytes] | None = None,
              *, at_least: int = 1) -> Match[V] | None:
@@ -327,7 +327,7 @@ class PromptAffinity:
             return None
         block = self.settings.block_tokens
         first = max(0, -(-self.settings.min_tokens // block) - 1)  # the block that reaches min_tokens
-        hashes = block_hashes(request.token_ids, block)
+        hashes = block_hashes(request.token_ids, block, request.cache_salt)
         return hashes[first::_AFFINITY_STRIDE] or None
 
     def replica_of(self, hashes: list[bytes]) -> str | None:

@@ -89,6 +89,9 @@ class EngineRequest:
     key: str = field(default_factory=lambda: f"{_KEY_PREFIX}-{next(_KEYS)}")
     # Divides the logits before the log-softmax (log-probs and top-k; hidden states unchanged).
     temperature: float = 1.0
+    # Scopes prompt reuse (`ScoreRequest.cache_salt`, vLLM's cache_salt): only requests of the
+    # same salt share computed prefixes, so a caller's reuse says nothing of another's prompts.
+    cache_salt: str = ""
 
     @property
     def num_tokens(self) -> int:

@@ -181,7 +181,8 @@ def plan_aligned(request: scoring_pb2.ScoreRequest, pair: Pair, info: EngineInfo
                       f"tokens, more than teacher {teacher!r} scores ({info.max_sequence_tokens})")
     chunks = chunk(pair.student.table.lengths[response], pair.teacher.table.lengths[teacher_response])
     message = scoring_pb2.ScoreRequest(request_id=request.request_id, teacher_key=request.teacher_key,
-                                       prompt_length=len(prompt), logprobs=True, topk=request.topk)
+                                       prompt_length=len(prompt), logprobs=True, topk=request.topk,
+                                       cache_salt=request.cache_salt)
     if request.HasField("temperature"):
         message.temperature = request.temperature
     extend_ids(message, sequence.tolist())

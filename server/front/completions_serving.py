@@ -46,7 +46,8 @@ class Built:
 
 def _template(ask: CompletionBody) -> scoring_pb2.ScoreRequest:
     """What every prompt of the call asks for, without its ids."""
-    message = scoring_pb2.ScoreRequest(teacher_key=ask.model, logprobs=True, topk=ask.topk)
+    message = scoring_pb2.ScoreRequest(teacher_key=ask.model, logprobs=True, topk=ask.topk,
+                                       cache_salt=ask.cache_salt or "")
     if ask.temperature is not None:
         message.temperature = ask.temperature
     return message

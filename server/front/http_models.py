@@ -42,6 +42,10 @@ _IDS_SLICE = 1 << 16
 # Padded score_ids a JSON body may expand to (ragged rows are padded to the longest): bounds the
 # allocation before validation, which then holds K to the teacher's max_topk.
 _MAX_SCORE_ID_CELLS = 1 << 24
+# Ragged score_ids rows are padded to the widest: at most this many times the ids given (or
+# the free cells below), so the padded array grows with the body, never past it.
+_RAGGED_SLACK = 8
+_RAGGED_FREE_CELLS = 1 << 16
 _PYTHON_TYPES: dict[str, tuple[type, ...]] = {
     "string": (str,), "boolean": (bool,), "array": (list,), "object": (dict,), "number": (int, float),
 }
@@ -227,8 +231,11 @@ def _score_ids(rows: list | None) -> scoring_pb2.Tensor | None:
     if not all(isinstance(row, list) for row in rows):
         raise invalid("score_ids", "must be a list of rows, each a list of token ids")
     width = max((len(row) for row in rows), default=0)
-    if len(rows) * width > _MAX_SCORE_ID_CELLS:
-        raise invalid("score_ids", f"{len(rows)} rows of up to {width} ids are too many")
+    given = sum(len(row) for row in rows)
+    # Padding is bounded by what was sent: a few ragged rows must not allocate [rows, widest].
+    if len(rows) * width > min(_MAX_SCORE_ID_CELLS, max(_RAGGED_SLACK * given, _RAGGED_FREE_CELLS)):
+        raise invalid("score_ids", f"{len(rows)} rows of up to {width} ids ({given} given) pad to "
+                      f"{len(rows) * width} cells; pad the rows with -1 to one width yourself, or send fewer")
     if any(isinstance(t, bool) or not isinstance(t, int) or t not in INT32 for row in rows for t in row):
         raise invalid("score_ids", "must hold integer token ids in the int32 range")
     ids = np.full((len(rows), width), -1, dtype="<i4")
@@ -281,6 +288,8 @@ class ScoreBody(WireModel):
         None, description="with student_tokenizer: the teacher's prompt as a conversation for its chat template")
     replica: str | None = Field(None, description="pin to this replica of the teacher (a replica_id of "
                                 "/v1/teachers), with no failover: for comparing replicas")
+    cache_salt: str | None = Field(None, description="scopes prompt reuse: only requests of the same salt share "
+                                   "computed prefixes (vLLM's cache_salt)")
 
     @model_validator(mode="before")
     @classmethod
@@ -316,4 +325,5 @@ class ScoreBody(WireModel):
         request.messages.extend(self.messages or ())
         if self.replica:
             request.replica = self.replica
+        request.cache_salt = self.cache_salt or ""
         return request

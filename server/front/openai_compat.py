@@ -150,6 +150,7 @@ class CompletionBody(WireModel):
     max_tokens: Annotated[int, checked(_max_tokens, int)] = required("1 (or 0 with echo)")
     prompt_logprobs: Annotated[int, checked(_prompt_logprobs, int)] = required("K: the top-K per position")
     temperature: Annotated[float | None, checked(_temperature, float | None)] = None
+    cache_salt: str | None = None  # vLLM's: scopes prompt reuse (ScoreRequest.cache_salt)
     # Accepted at their neutral value only.
     n: _neutral(int, 1) = None
     best_of: _neutral(int, 1) = None

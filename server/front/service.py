@@ -27,7 +27,7 @@ from proctor.server.engines.base import EngineResult
 from proctor.server.errors import NOT_READY_RETRY_S, Code, ScoringError
 from proctor.server.front.aligned_scoring import AlignedScoring
 from proctor.server.front.routing import ReplicaSet, Router
-from proctor.server.front.validation import ValidRequest, decode, request_mode, validate
+from proctor.server.front.validation import ValidRequest, check_finite, decode, request_mode, validate
 from proctor.server.media import MediaLimits
 from proctor.server.metrics import Metrics
 
@@ -187,6 +187,7 @@ class ScoringService:
             admission = None if admitted else self.admit(valid.teacher_set, tokens)
             try:
                 result = await self._score_admitted(valid, timeout)
+                check_finite(valid.request, result)
             finally:
                 if admission is not None:
                     self.release(admission, tokens)

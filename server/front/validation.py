@@ -18,11 +18,15 @@ import numpy as np
 import torch
 
 from proctor.proto import scoring_pb2
-from proctor.server.engines.base import EngineInfo, EngineRequest, MediaItem, MultiModalInputs
+from proctor.server.engines.base import EngineInfo, EngineRequest, EngineResult, MediaItem, MultiModalInputs
 from proctor.server.errors import Code, ScoringError, invalid
 from proctor.server.front.bounded_json import loads_bounded
 from proctor.server.front.routing import ReplicaSet
 from proctor.server.media import MediaLimits, decode_media
+
+# Scores are computed in float32 by every engine (`engines.row_scores`): a temperature must be a
+# normal float32 number, and the scores it gives must be finite (`check_finite`).
+SCORES_FINFO = torch.finfo(torch.float32)
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,7 @@ def validate(teacher_set: ReplicaSet, request: scoring_pb2.ScoreRequest, *, max_
         temperature=_temperature(request, info, teacher_set.name),
         media=media if media else None,
         score_ids=score_ids,
+        cache_salt=request.cache_salt,
     )
     return ValidRequest(teacher_set, engine_request, request_mode(request), _replica(request, teacher_set))
 
@@ -184,10 +189,28 @@ def _temperature(request: scoring_pb2.ScoreRequest, info: EngineInfo, teacher: s
     value = request.temperature
     if not math.isfinite(value) or value <= 0:
         raise invalid("temperature", f"is {value}; it must be a finite number > 0")
+    if not SCORES_FINFO.tiny <= value <= SCORES_FINFO.max:  # float32(T) inf or subnormal: 1/T overflows
+        raise invalid("temperature", f"is {value}; the logits are divided by it in {SCORES_FINFO.dtype}, where it must "
+                      f"be in [{SCORES_FINFO.tiny:.3g}, {SCORES_FINFO.max:.3g}]")
     if value != 1.0 and not info.temperature:
         raise invalid("temperature", f"is {value}; teacher {teacher!r} ({info.engine} engine) scores at "
                       "temperature 1 only (its log-probs come from the raw logits)")
     return float(value)
+
+
+def check_finite(request: EngineRequest, result: EngineResult) -> None:
+    """An answer with NaN (or a log-prob of +inf) is never sent (JSON has no NaN): at a
+    temperature other than 1 it is the request's own input that overflowed float32 (logits / T),
+    so the caller's INVALID_ARGUMENT; at T = 1 the engine's fault (INTERNAL)."""
+    bad = [name for name, values in (("logprobs", result.logprobs), ("topk_logprobs", result.topk_logprobs),
+                                     ("score_logprobs", result.score_logprobs))
+           if values is not None and values.numel() and bool((values.isnan() | values.isposinf()).any())]
+    if not bad:
+        return
+    if request.temperature != 1.0:
+        raise invalid("temperature", f"is {request.temperature}; the logits divided by it are not finite in "
+                      f"{SCORES_FINFO.dtype} ({', '.join(bad)} would hold NaN); use a larger temperature")
+    raise ScoringError(Code.INTERNAL, f"the engine's answer holds NaN in {', '.join(bad)}")
 
 
 def _media_inputs(request: scoring_pb2.ScoreRequest, info: EngineInfo, teacher: str) -> MultiModalInputs | None:

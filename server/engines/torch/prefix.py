@@ -128,7 +128,7 @@ class TorchPrefix:
             if not self.settings.applies(request):
                 plan.plain.append(index)
                 continue
-            plan.hashes[index] = self.cache.hashes(tokens[index])
+            plan.hashes[index] = self.cache.hashes(tokens[index], request.cache_salt)
             follower = self._follower(plan, batch, tokens, index)
             if follower is None:
                 plan.plain.append(index)
@@ -144,6 +144,8 @@ class TorchPrefix:
             (found.shared, found.value)
             for found in self.cache.candidates(tokens[index], plan.hashes[index], at_least=least)]
         for leader in plan.leaders:
+            if batch[leader].cache_salt != request.cache_salt:  # another scope's prompt: never a source
+                continue
             shared = common_prefix(tokens[leader], tokens[index])
             if shared >= least:
                 sources.append((shared, leader))

@@ -185,7 +185,8 @@ class VllmEngine(VllmFamilyEngine):
         _, _, PoolingParams, TokensPrompt = engine_classes()
         ask = ScoreAsk(first_row=length, scores=False, keep_row=length)
         params = PoolingParams(task=SCORING_TASK, extra_kwargs=ask.to_kwargs(), skip_reading_prefix_cache=False)
-        prompt = TokensPrompt(prompt_token_ids=request.token_ids[:length].tolist())
+        salt = {"cache_salt": request.cache_salt} if request.cache_salt else {}
+        prompt = TokensPrompt(prompt_token_ids=request.token_ids[:length].tolist(), **salt)
         final = await self._final(self._llm.encode(prompt, params, request_id=f"{engine_request_id(request)}-p{length}"))
         answer = _answer(final)
         row = kept_row(answer)

@@ -41,14 +41,16 @@ class VllmMedia:
     def token_prompt(self, request: EngineRequest) -> dict[str, Any]:
         """The TokensPrompt (a dict) for a request: its ids, or for one with media the collapsed
         ids, the media as the service decoded them and the rollout's processor kwargs."""
+        salt = {"cache_salt": request.cache_salt} if request.cache_salt else {}
         if not request.media:
-            return {"prompt_token_ids": request.token_ids.tolist()}
+            return {"prompt_token_ids": request.token_ids.tolist(), **salt}
         problem = check_counts(request, self.placeholders)
         if problem is not None:
             raise problem
         prompt: dict[str, Any] = {
             "prompt_token_ids": collapse_runs(request.token_ids.numpy(), self.placeholders),
             "multi_modal_data": decoded_media(request),
+            **salt,
         }
         if request.media.processor_kwargs:
             prompt["mm_processor_kwargs"] = dict(request.media.processor_kwargs)

@@ -122,7 +122,7 @@ class PrefixLane:
     async def run(self, request: EngineRequest, engine: Scorer) -> EngineResult:
         """Score `request` through the cache (module docstring)."""
         tokens = token_array(request.token_ids)
-        hashes = self.records.hashes(tokens)
+        hashes = self.records.hashes(tokens, request.cache_salt)
         source = await self._source(request, tokens, hashes)
         if source is not None:
             return await self._follow(request, *source, engine)
