@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import typer
 
 from proctor.server import cli_trainer_side
+from proctor.server.front.auth import check_exposure
 from proctor.server.settings import DEFAULTS, ServerOptions
 
 if TYPE_CHECKING:  # the server's parts are imported by the commands that use them, not at start-up
@@ -91,6 +92,9 @@ def serve(
     student_tokenizer: list[str] = typer.Option([], "--student-tokenizer", help="A student tokenizer KEY=DIR that "
                                                 "aligned requests may name (loaded at start); repeatable."),
     auth_token_file: Path | None = typer.Option(None, help="File holding the bearer token required on scoring calls."),
+    allow_unauthenticated: bool = typer.Option(False, "--allow-unauthenticated", envvar="PROCTOR_ALLOW_UNAUTHENTICATED",
+                                               help="Serve a non-loopback --host with no auth token (refused "
+                                               "otherwise)."),
     max_queue_requests: int = typer.Option(DEFAULTS.limits.max_queue_requests,
                                            help="Requests admitted per teacher (running + waiting) before 429s."),
     max_queue_tokens: int = typer.Option(DEFAULTS.limits.max_queue_tokens, help="Tokens admitted per teacher before 429s."),
@@ -130,6 +134,7 @@ def serve(
         options = _flag_options(host=host, grpc_port=grpc_port, http_port=http_port, auth_token_file=auth_token_file,
                                 max_queue_requests=max_queue_requests, max_queue_tokens=max_queue_tokens)
     options.student_tokenizers.update(students)  # the flags' beside (or over) the config file's
+    check_exposure(options.host, options.auth_token, allow_unauthenticated=allow_unauthenticated)
     sys.exit(_serve_until_stopped(router, options, switch_interval_ms=switch_interval_ms))
 
 
@@ -272,7 +277,13 @@ app.command()(cli_trainer_side.demo)
 
 
 def main() -> None:
-    app()
+    from proctor.server.front.auth import AuthSetupError
+
+    try:
+        app()
+    except AuthSetupError as exc:  # auth fails closed, in one line
+        print(f"proctor: cannot serve: {exc}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":
