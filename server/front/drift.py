@@ -3,9 +3,12 @@
 Replicas of one teacher can disagree: different devices, a corrupted or wrongly loaded copy of the
 weights, a driver or kernel change after a restart, and for a teacher that is not batch-invariant,
 the batch a sequence landed in. Every `interval_s` each running replica scores the teacher's fixed
-canaries (`canaries` sequences of `canary_tokens` token ids, the same ids at every check) and the
-front compares its log-probs with the teacher's first answer for each canary (the first replica
-checked sets it). The check runs off the request path and at low priority: it waits for the replica
+canaries (`canaries` sequences of `canary_tokens` token ids, the same ids at every check); once the
+round is done the front compares each replica's log-probs with the *majority's*: the answers that
+agree (within `max_drift`) with the most replicas' answers of the round, ties going to the answers
+that agree with the teacher's first answers (pinned at the first check). One faulty replica, even
+the first checked, so never marks the good ones DEGRADED; a teacher with one replica is compared
+with its own first answers. The check runs off the request path and at low priority: it waits for the replica
 to have nothing outstanding (for at most one more interval, so a saturated replica is still checked)
 and goes straight to its engine, past the batcher, so it is never counted as served traffic.
 
@@ -89,6 +92,11 @@ def _request(index: int, ids: np.ndarray) -> EngineRequest:
                          logprobs=True, topk=0, hidden_states=False)
 
 
+def _drift(answers: Mapping[int, torch.Tensor], reference: Mapping[int, torch.Tensor]) -> float:
+    """max |delta log-prob| over the canaries both hold."""
+    return max((_max_delta(answers[i], reference[i]) for i in answers if i in reference), default=0.0)
+
+
 def _max_delta(answer: torch.Tensor, reference: torch.Tensor) -> float:
     if answer.shape != reference.shape:
         return math.inf
@@ -106,7 +114,7 @@ class DriftCheck:
         self.drift: dict[str, float] = {}  # replica id -> its latest drift
         self.checks: dict[str, int] = {}  # replica id -> drift checks it ran
         self._canaries: dict[int, np.ndarray] | None = None  # index -> token ids (rejected ones dropped)
-        self._reference: dict[int, torch.Tensor] = {}  # index -> the teacher's first answer (log-probs)
+        self._first: dict[int, torch.Tensor] = {}  # index -> the teacher's first answer (log-probs): pinned
         self._task: asyncio.Task | None = None
 
     def replica_fields(self, replica_id: str) -> dict[str, Any]:
@@ -115,10 +123,10 @@ class DriftCheck:
             return {}
         return {"drift": self.drift[replica_id], "drift_checks": self.checks[replica_id]}
 
-    async def check(self, replica: Replica, info: EngineInfo) -> float | None:
-        """Score the canaries on `replica` now and compare them with the teacher's first answers;
-        the replica's drift, or None when the check could not run (no engine, an engine error, the
-        replica taken down meanwhile: health and failover are the supervisor's business)."""
+    async def answers(self, replica: Replica, info: EngineInfo) -> dict[int, torch.Tensor] | None:
+        """The canaries' log-probs on `replica` now, or None when the check could not run (no
+        engine, an engine error, the replica taken down meanwhile: health and failover are the
+        supervisor's business)."""
         engine, generation = replica.engine, replica.generation
         if self._canaries is None:
             self._canaries = dict(enumerate(canaries(self.settings, info)))
@@ -132,7 +140,7 @@ class DriftCheck:
             return None
         if replica.generation != generation or not replica.state.running:
             return None
-        drift = 0.0
+        answers: dict[int, torch.Tensor] = {}
         for index, outcome in zip(batch, outcomes, strict=True):
             if isinstance(outcome, RequestRejected):  # ids this teacher refuses alone (a media placeholder)
                 log.warning("teacher %s: canary %d dropped from the drift check: %s", self.teacher, index, outcome)
@@ -141,10 +149,35 @@ class DriftCheck:
             if isinstance(outcome, BaseException):
                 log.warning("teacher %s: drift check of replica %s failed: %s", self.teacher, replica.replica_id, outcome)
                 return None
-            answer = outcome.logprobs.clone()
-            drift = max(drift, _max_delta(answer, self._reference.setdefault(index, answer)))
-        self._record(replica, drift)
-        return drift
+            answers[index] = outcome.logprobs.clone()
+            self._first.setdefault(index, answers[index])
+        return answers
+
+    def reference(self, round_answers: Mapping[str, dict[int, torch.Tensor]]) -> dict[int, torch.Tensor]:
+        """The answers of the replica that most of the round's replicas agree with (ties: the one
+        agreeing with the pinned first answers, then the first listed); the first answers when
+        fewer than two replicas answered."""
+        if len(round_answers) < 2:
+            return self._first
+        limit = self.settings.max_drift
+        names = list(round_answers)
+
+        def standing(name: str) -> tuple[int, bool]:
+            votes = sum(_drift(round_answers[other], round_answers[name]) <= limit for other in names)
+            return votes, _drift(round_answers[name], self._first) <= limit
+
+        return round_answers[max(names, key=standing)]
+
+    def check_round(self, replicas: Mapping[str, Replica], round_answers: Mapping[str, dict[int, torch.Tensor]],
+                    notify: Callable[[Replica], None]) -> dict[str, float]:
+        """Each answering replica's drift from the round's reference, recorded and judged."""
+        reference = self.reference(round_answers)
+        drifts = {}
+        for name, answers in round_answers.items():
+            drifts[name] = _drift(answers, reference)
+            self._record(replicas[name], drifts[name])
+            self.judge(replicas[name], drifts[name], notify)
+        return drifts
 
     def _record(self, replica: Replica, drift: float) -> None:
         self.drift[replica.replica_id] = drift
@@ -181,14 +214,19 @@ class DriftCheck:
         interval = float(self.settings.interval_s or 0)
         while True:
             await asyncio.sleep(interval)
+            round_answers: dict[str, dict[int, torch.Tensor]] = {}
             for replica in [r for r in replicas if r.state.running]:
                 try:
                     await _idle(replica, interval)
-                    drift = await self.check(replica, info())
-                    if drift is not None:
-                        self.judge(replica, drift, notify)
+                    answers = await self.answers(replica, info())
+                    if answers is not None:
+                        round_answers[replica.replica_id] = answers
                 except Exception:  # the check must never die: it is what notices a drifting replica
                     log.exception("drift check of teacher %s replica %s failed", self.teacher, replica.replica_id)
+            try:
+                self.check_round({r.replica_id: r for r in replicas}, round_answers, notify)
+            except Exception:
+                log.exception("drift check of teacher %s failed", self.teacher)
 
 
 async def _idle(replica: Replica, patience_s: float) -> None:

@@ -30,7 +30,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from proctor.server.engines.base import EngineConfigError, EngineError, EngineRequest, EngineResult
+from proctor.server.engines.base import (
+    EngineConfigError,
+    EngineError,
+    EngineRequest,
+    EngineResult,
+    RequestFailed,
+)
 from proctor.server.engines.checkpoint import check_cpu_head_dim, model_facts
 from proctor.server.engines.checks import check_vllm_settings
 from proctor.server.engines.row_scores import score_rows
@@ -191,7 +197,7 @@ class VllmEngine(VllmFamilyEngine):
         answer = _answer(final)
         row = kept_row(answer)
         if row is None:
-            raise EngineError("vLLM's answer for a prefix alone lacks its last position's row")
+            raise RequestFailed("vLLM's answer for a prefix alone lacks its last position's row")
         return row, answer.positions
 
     @staticmethod
@@ -200,7 +206,7 @@ class VllmEngine(VllmFamilyEngine):
         async for output in outputs:
             final = output
         if final is None:
-            raise EngineError("vLLM returned no output")
+            raise RequestFailed("vLLM returned no output")
         return final
 
     def computed_rows(self, request: EngineRequest, pooled: PooledScores) -> EngineResult:
@@ -208,7 +214,7 @@ class VllmEngine(VllmFamilyEngine):
         on), as the request asked them."""
         start = pooled.first_row
         if start < request.first_row or pooled.n != request.num_tokens - start:
-            raise EngineError(f"vLLM's scoring answer holds rows {pooled.first_row}..+{pooled.n}, "
+            raise RequestFailed(f"vLLM's scoring answer holds rows {pooled.first_row}..+{pooled.n}, "
                               f"expected {start}..{request.num_tokens - 1}")
         result = EngineResult(first_row=start)
         _fill(result, request, pooled, self._dtype)
@@ -231,10 +237,13 @@ class VllmEngine(VllmFamilyEngine):
 
 
 def _answer(final) -> PooledScores:
+    """One request's pooled answer. What is wrong with it is that request's fault (RequestFailed:
+    INTERNAL for it, retried once elsewhere, counted toward the replica's health), never by itself
+    a replica failure: one odd answer must not restart replicas."""
     try:
         pooled = unpack(final.outputs.data)
     except ValueError as exc:
-        raise EngineError(f"vLLM's scoring answer is malformed: {exc}") from exc
+        raise RequestFailed(f"vLLM's scoring answer is malformed: {exc}") from exc
     return pooled
 
 
@@ -244,7 +253,7 @@ def _fill(result: EngineResult, request: EngineRequest, pooled: PooledScores, dt
     def field(name: str) -> torch.Tensor:
         value = getattr(pooled, name)
         if value is None:
-            raise EngineError(f"vLLM's scoring answer lacks {name}")
+            raise RequestFailed(f"vLLM's scoring answer lacks {name}")
         return value.clone()
 
     if request.logprobs:
