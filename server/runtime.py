@@ -22,6 +22,7 @@ import uvicorn
 from proctor.server.front.auth import TokenAuth
 from proctor.server.front.grpc_app import GrpcServer
 from proctor.server.front.http_app import create_app
+from proctor.server.front.http_limits import limited_protocol, serve_metrics
 from proctor.server.front.responses import Responses
 from proctor.server.front.routing import Router
 from proctor.server.front.service import ScoringService
@@ -84,8 +85,9 @@ class ProctorServer:
         self.http_port = self._http_socket.getsockname()[1]
         # Drain happens before the HTTP server is told to stop (drain_and_stop), so its own
         # graceful shutdown only has answers already computed left to write.
-        config = uvicorn.Config(app, log_level="warning", lifespan="off",
-                                timeout_graceful_shutdown=HTTP_CLOSE_GRACE_S, **ssl)
+        config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=HTTP_CLOSE_GRACE_S,
+                                http=limited_protocol(options.http_header_timeout_s, options.http_max_connections),
+                                **ssl)
         self.http = _HttpServer(config)
         self._http_task: asyncio.Task | None = None
         self._metrics_server = None
@@ -100,12 +102,8 @@ class ProctorServer:
         await self.grpc.start()
         self._http_task = asyncio.get_running_loop().create_task(self.http.serve(sockets=[self._http_socket]))
         if self.options.metrics_port is not None:
-            from prometheus_client import start_http_server
-
-            self._metrics_server, _ = start_http_server(
-                self.options.metrics_port, addr=self.options.host, registry=self.service.metrics.registry
-            )
-            self.metrics_port = self._metrics_server.server_port
+            self._metrics_server, self.metrics_port = serve_metrics(
+                self.options.host, self.options.metrics_port, self.service.metrics.registry)
         await self.service.start()
         await self.grpc.set_serving(True)
         log.info("proctor serving: gRPC %s:%d, HTTP %s:%d", self.options.host, self.grpc_port,
