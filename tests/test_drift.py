@@ -124,3 +124,33 @@ def test_a_degraded_replica_takes_requests_only_when_no_healthy_one_is_left():
     healthy.state = ReplicaState.UNHEALTHY
     assert teacher.pick(set()) is degraded and teacher.in_service() == [degraded]
     assert teacher.pick(set(), pinned="h") is None and teacher.pick(set(), pinned="d") is degraded
+
+
+@pytest.fixture(scope="module")
+def faulty_first(tiny_model_dir, tmp_path_factory):
+    """The same teacher with the perturbed replica first (fd-0): the one the check used to take
+    as every canary's reference."""
+    perturbed = perturbed_copy(tiny_model_dir, tmp_path_factory.mktemp("perturbed-first"), scale=1e-3)
+    specs = [EngineSpec("torch", str(path), inference=INFERENCE) for path in (perturbed, tiny_model_dir, tiny_model_dir)]
+    settings = DriftSettings(interval_s=CHECK_S, canaries=4, canary_tokens=32, max_drift=MAX_DRIFT)
+    server = start_server(replica_router("fd", specs, drift=settings, health_check_interval_s=None))
+    yield server
+    server.stop()
+
+
+def test_a_faulty_first_replica_is_outvoted_and_never_degrades_the_good_ones(faulty_first):
+    """The majority of each round is the reference: fd-0 is DEGRADED at its first round, fd-1 and
+    fd-2 stay HEALTHY at drift 0 in every round seen."""
+    seen: list[dict] = []
+
+    def judged_twice() -> bool:
+        seen.append(_replicas(faulty_first))
+        return all(int(r.get("drift_checks", 0)) >= 2 for r in seen[-1].values())
+
+    wait_for(judged_twice, timeout=120, interval=0.1)
+    for snapshot in seen:
+        for name in ("fd-1", "fd-2"):
+            assert snapshot[name]["state"] == "HEALTHY", snapshot
+            assert snapshot[name].get("drift", 0.0) == 0.0, snapshot
+    first_judged = next(s for s in seen if int(s["fd-0"].get("drift_checks", 0)) >= 1)
+    assert first_judged["fd-0"]["state"] == "DEGRADED" and first_judged["fd-0"]["drift"] > MAX_DRIFT
