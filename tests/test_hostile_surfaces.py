@@ -82,8 +82,8 @@ def test_an_oversized_aligned_request_is_refused_in_milliseconds_naming_the_fiel
     the rule timed on the server's own teacher pair, the round trip (the body's transport and parse,
     the same for any request of its size) bounded. Before, these took 85.7 s (30 MiB), 5.8 s (100k
     messages) and 21 s (4M ids) of the server's event loop."""
-    from proctor.server.front.aligned_request import check_sizes
     from proctor.server.errors import ScoringError
+    from proctor.server.front.aligned_request import check_sizes
 
     message, field = attack_message(attack)
     error, took = _grpc_refusal(stub, message)

@@ -241,6 +241,31 @@ async def test_an_api_mismatch_with_vllm_is_a_server_fault_not_the_callers(vllm_
     assert type(outcome).__name__ == "EngineResult"
 
 
+@pytest.mark.vllm
+@session_loop
+async def test_a_malformed_answer_is_that_requests_fault_not_the_replicas(vllm_engine, monkeypatch):
+    """One request's pooled answer arrives cut short: that request fails (RequestFailed: INTERNAL,
+    retried once elsewhere), its batch-mate is answered, and the engine is not taken for dead
+    (an EngineError would restart the replica: one odd answer could restart two)."""
+    from proctor.server.engines.vllm import engine as module
+
+    real, calls = module.unpack, []
+
+    def one_cut_short(data):
+        calls.append(1)
+        return real(data[:40] if len(calls) == 1 else data)
+
+    monkeypatch.setattr(module, "unpack", one_cut_short)
+    outcomes = await vllm_engine.score([_request(i, ids) for i, ids in enumerate(_sequences(2, 10, seed=3))])
+    kinds = sorted(type(outcome).__name__ for outcome in outcomes)
+    assert kinds == ["EngineResult", "RequestFailed"], outcomes
+    assert not any(isinstance(outcome, EngineError) for outcome in outcomes)
+    monkeypatch.undo()
+    assert await vllm_engine.check_health()
+    (outcome,) = await vllm_engine.score([_request(2, _sequences(1, 10)[0])])
+    assert type(outcome).__name__ == "EngineResult"
+
+
 def test_vllm_errors_are_sorted_by_vllms_own_types():
     pytest.importorskip("vllm")
     from vllm.exceptions import VLLMValidationError
