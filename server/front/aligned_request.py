@@ -9,10 +9,11 @@ they are, so the answer is the plain request's. What comes out is an ordinary re
 teacher's sequence (prompt_length = the teacher prompt's length), scored by the usual path,
 and the chunks that map its rows back. Each check raises `invalid(field, ...)`.
 
-Two steps, for a hostile caller: `check_sizes` holds every size rule of a plain request (the
-student's ids, the teacher's prompt ids, the count and length of `messages`) by counting alone,
-in microseconds, before admission; only then does `plan_aligned` do the work that grows with
-the request (rendering, tokenizing, mapping), admitted and off the event loop. Special tokens
+Two steps, for a hostile caller: `check_sizes` holds the size rules that need no reading (the
+student's ids, the teacher's prompt ids, the count of `messages`) by counting alone, in
+microseconds, on the event loop before admission; then `plan_aligned`, admitted and off the loop,
+checks the length of `messages` first (reading 30 MiB of text costs tens of milliseconds) and only
+then does the work that grows with the request (rendering, tokenizing, mapping). Special tokens
 come only from the teacher's template and the student's own special ids: `messages` holding a
 teacher special token's text is refused (it would inject a role turn), and a student's plain
 text "<|im_end|>" is tokenized as plain text, never as the teacher's special token.
@@ -70,11 +71,10 @@ def _refuse_unaligned_outputs(request: scoring_pb2.ScoreRequest) -> None:
             raise invalid(name, why)
 
 
-def check_sizes(request: scoring_pb2.ScoreRequest, pair: Pair, info: EngineInfo, teacher: str) -> int:
-    """Every size rule, by counting only (no copy, no rendering, no tokenizing): the tokens the
-    request may cost, for admission. A text of C characters is at least C bytes, so it renders to
-    at least C / (the teacher's longest token in bytes) tokens: past `max_sequence_tokens` of
-    those it cannot fit, and is refused before anything reads it."""
+def check_sizes(request: scoring_pb2.ScoreRequest, info: EngineInfo, teacher: str) -> int:
+    """The size rules that count without reading (no copy, no rendering, no tokenizing): the tokens
+    the request may cost, for admission (with `messages`, all the teacher scores: their length is
+    read off the loop, by `check_message_length`)."""
     _refuse_unaligned_outputs(request)
     limit = info.max_sequence_tokens
     for name in ("token_ids", "teacher_prompt_ids"):
@@ -84,12 +84,19 @@ def check_sizes(request: scoring_pb2.ScoreRequest, pair: Pair, info: EngineInfo,
     if len(request.messages) > limit:
         raise invalid("messages", f"has {len(request.messages)} messages, more than teacher {teacher!r} scores "
                       f"tokens ({limit})")
+    return limit if request.messages else len(request.token_ids) + len(request.teacher_prompt_ids)
+
+
+def check_message_length(request: scoring_pb2.ScoreRequest, pair: Pair, info: EngineInfo, teacher: str) -> None:
+    """A text of C characters is at least C bytes, so it renders to at least C / (the teacher's
+    longest token in bytes) tokens: past `max_sequence_tokens` of those it cannot fit, and is
+    refused before anything renders or tokenizes it."""
+    limit = info.max_sequence_tokens
     chars = sum(len(m.role) + len(m.content) for m in request.messages)
     most = limit * max(1, int(pair.teacher.table.lengths.max()))
     if chars > most:
         raise invalid("messages", f"hold {chars} characters; teacher {teacher!r} scores {limit} tokens of at most "
                       f"{most // limit} bytes each, so at most {most} characters fit")
-    return min(limit, len(request.token_ids) + len(request.teacher_prompt_ids) + chars)
 
 
 def _student_ids(request: scoring_pb2.ScoreRequest, pair: Pair) -> np.ndarray:
@@ -170,6 +177,7 @@ def _teacher_response(response: np.ndarray, pair: Pair) -> np.ndarray:
 def plan_aligned(request: scoring_pb2.ScoreRequest, pair: Pair, info: EngineInfo, teacher: str) -> AlignedPlan:
     """The teacher's request for an aligned one, and its chunks (the work grows with the request:
     run it admitted and off the event loop, after `check_sizes`)."""
+    check_message_length(request, pair, info, teacher)
     ids = _student_ids(request, pair)
     first_row = response_first_row(request, len(ids))
     prompt = _teacher_prompt(request, pair, info, teacher)

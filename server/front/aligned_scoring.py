@@ -58,7 +58,7 @@ class AlignedScoring:
                 pair = self.tokenizers.pair(request.student_tokenizer, teacher_set.name)
             except Unalignable as exc:
                 raise invalid("student_tokenizer", str(exc)) from None
-            tokens = check_sizes(request, pair, teacher_set.info, teacher_set.name)
+            tokens = check_sizes(request, teacher_set.info, teacher_set.name)
             admission = service.admit(teacher_set, tokens)
         except ScoringError as exc:
             service.metrics.request_done(teacher_set.name, mode, exc.code.name.lower())
