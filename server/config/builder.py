@@ -126,6 +126,8 @@ def server_options(plan: ServingPlan, *, host: str | None = None) -> ServerOptio
         tls_client_ca_file=s.tls.client_ca_file,
         open_paths=tuple(s.open_paths),
         metrics_port=s.metrics_port,
+        http_header_timeout_s=s.http_header_timeout_s,
+        http_max_connections=s.http_max_connections,
         student_tokenizers=dict(s.student_tokenizers),
     )
 

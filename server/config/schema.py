@@ -186,6 +186,8 @@ class ServerBlock(ConfigBlock):
     # Paths of the HTTP port that need no bearer token (probes and scrapers).
     open_paths: list[str] = Field(default_factory=lambda: list(DEFAULTS.open_paths))
     metrics_port: int | None = Field(DEFAULTS.metrics_port, ge=0, le=65535)
+    http_header_timeout_s: float = Field(DEFAULTS.http_header_timeout_s, gt=0)
+    http_max_connections: int = Field(DEFAULTS.http_max_connections, ge=1)
     device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
     routing_policy: Literal["least_outstanding", "round_robin"] = "least_outstanding"
     health_check_interval_s: float | None = Field(5.0, gt=0)
