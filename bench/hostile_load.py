@@ -26,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from support.hostile import ATTACKS, NORMAL_CALLS, attackers
+from support.hostile import ATTACKS, attackers, normal_client
 from support.servers import SubprocessServer
 
 TOKEN = "bench-token"
@@ -50,7 +50,7 @@ def _serve(workdir: Path) -> SubprocessServer:
 
 def _run(server: SubprocessServer, names: list[str], *, seconds: float, processes: int) -> dict:
     """The normal client's calls (latency, failure) and the probe's latencies, under `names`."""
-    stop, probes, latencies, failures = threading.Event(), [], [], []
+    stop, probes = threading.Event(), []
 
     def probe() -> None:
         with httpx.Client(base_url=server.http_url, timeout=30) as client:
@@ -69,15 +69,7 @@ def _run(server: SubprocessServer, names: list[str], *, seconds: float, processe
         time.sleep(5)  # spawned interpreters start
     prober = threading.Thread(target=probe)
     prober.start()
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        for name, call in NORMAL_CALLS.items():
-            started = time.perf_counter()
-            try:
-                call(server, TOKEN)
-            except Exception as exc:
-                failures.append(f"{name}: {exc!r}"[:200])
-            latencies.append(time.perf_counter() - started)
+    latencies, failures = normal_client(server, TOKEN, seconds)
     stop.set()
     prober.join()
     sent = 0

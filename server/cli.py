@@ -92,9 +92,7 @@ def serve(
     student_tokenizer: list[str] = typer.Option([], "--student-tokenizer", help="A student tokenizer KEY=DIR that "
                                                 "aligned requests may name (loaded at start); repeatable."),
     auth_token_file: Path | None = typer.Option(None, help="File holding the bearer token required on scoring calls."),
-    allow_unauthenticated: bool = typer.Option(False, "--allow-unauthenticated", envvar="PROCTOR_ALLOW_UNAUTHENTICATED",
-                                               help="Serve a non-loopback --host with no auth token (refused "
-                                               "otherwise)."),
+    allow_unauthenticated: bool = typer.Option(False, "--allow-unauthenticated", envvar="PROCTOR_ALLOW_UNAUTHENTICATED", help="Serve a non-loopback --host with no auth token (refused otherwise)."),
     max_queue_requests: int = typer.Option(DEFAULTS.limits.max_queue_requests,
                                            help="Requests admitted per teacher (running + waiting) before 429s."),
     max_queue_tokens: int = typer.Option(DEFAULTS.limits.max_queue_tokens, help="Tokens admitted per teacher before 429s."),
@@ -134,8 +132,7 @@ def serve(
         options = _flag_options(host=host, grpc_port=grpc_port, http_port=http_port, auth_token_file=auth_token_file,
                                 max_queue_requests=max_queue_requests, max_queue_tokens=max_queue_tokens)
     options.student_tokenizers.update(students)  # the flags' beside (or over) the config file's
-    check_exposure(options.host, options.auth_token, allow_unauthenticated=allow_unauthenticated)
-    sys.exit(_serve_until_stopped(router, options, switch_interval_ms=switch_interval_ms))
+    sys.exit(_serve_until_stopped(router, options, switch_interval_ms=switch_interval_ms, open_ok=allow_unauthenticated))
 
 
 def _config_router(plan: ServingPlan, *, host: str | None, grpc_port: int | None,
@@ -181,9 +178,11 @@ def _flag_options(*, host: str | None, grpc_port: int | None, http_port: int | N
                          limits=Limits(max_queue_requests=max_queue_requests, max_queue_tokens=max_queue_tokens))
 
 
-def _serve_until_stopped(router: Router, options: ServerOptions, *, switch_interval_ms: float) -> int:
+def _serve_until_stopped(router: Router, options: ServerOptions, *, switch_interval_ms: float,
+                         open_ok: bool = False) -> int:
     """Run the server on a new event loop until it stops; 1 when a replica could not start (its
     reason on stderr, the other replicas released), else the server's own exit code."""
+    check_exposure(options.host, options.auth_token, allow_unauthenticated=open_ok)  # auth fails closed
     from proctor.server.alignment.students import StudentTokenizerError
     from proctor.server.engines.base import EngineError
     from proctor.server.runtime import ProctorServer

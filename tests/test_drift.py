@@ -30,12 +30,17 @@ MAX_DRIFT = 1e-4
 INFERENCE = {"batch_invariant": True}
 
 
+def _drift_server(name: str, paths: list):
+    """A batch-invariant teacher `name` whose replica i loads `paths[i]`, checked every CHECK_S."""
+    specs = [EngineSpec("torch", str(path), inference=INFERENCE) for path in paths]
+    settings = DriftSettings(interval_s=CHECK_S, canaries=4, canary_tokens=32, max_drift=MAX_DRIFT)
+    return start_server(replica_router(name, specs, drift=settings, health_check_interval_s=None))
+
+
 @pytest.fixture(scope="module")
 def drifting(tiny_model_dir, tmp_path_factory):
     perturbed = perturbed_copy(tiny_model_dir, tmp_path_factory.mktemp("perturbed"), scale=1e-3)
-    specs = [EngineSpec("torch", str(path), inference=INFERENCE) for path in (tiny_model_dir, tiny_model_dir, perturbed)]
-    settings = DriftSettings(interval_s=CHECK_S, canaries=4, canary_tokens=32, max_drift=MAX_DRIFT)
-    server = start_server(replica_router("dr", specs, drift=settings, health_check_interval_s=None))
+    server = _drift_server("dr", [tiny_model_dir, tiny_model_dir, perturbed])
     yield server
     server.stop()
 
@@ -131,9 +136,7 @@ def faulty_first(tiny_model_dir, tmp_path_factory):
     """The same teacher with the perturbed replica first (fd-0): the one the check used to take
     as every canary's reference."""
     perturbed = perturbed_copy(tiny_model_dir, tmp_path_factory.mktemp("perturbed-first"), scale=1e-3)
-    specs = [EngineSpec("torch", str(path), inference=INFERENCE) for path in (perturbed, tiny_model_dir, tiny_model_dir)]
-    settings = DriftSettings(interval_s=CHECK_S, canaries=4, canary_tokens=32, max_drift=MAX_DRIFT)
-    server = start_server(replica_router("fd", specs, drift=settings, health_check_interval_s=None))
+    server = _drift_server("fd", [perturbed, tiny_model_dir, tiny_model_dir])
     yield server
     server.stop()
 

@@ -25,7 +25,7 @@ from proctor.client import InvalidArgument, RetryPolicy, TeacherClient
 from proctor.client.transports import TeacherNotFound
 from proctor.proto import scoring_pb2, scoring_pb2_grpc
 
-from support.hostile import ATTACKS, NORMAL_CALLS, aligned_body, attack_message, attackers, http_json
+from support.hostile import ATTACKS, aligned_body, attack_message, attackers, http_json, normal_client
 from support.servers import metric_value, request_count, start_server
 
 TOKEN = "surface-token"
@@ -115,9 +115,7 @@ def test_under_a_stream_of_attacks_a_normal_client_sees_no_failure_and_liveness_
     client scores (plain and aligned, gRPC and HTTP) and a probe polls /health/live."""
     names = [name for name in ATTACKS if "sockets" not in name]  # the socket cap has its own test
     stop = threading.Event()
-    failures: list[str] = []
     probes: list[float] = []
-    normal: list[float] = []
 
     def probe() -> None:
         with httpx.Client(base_url=server.http_url, timeout=30) as client:
@@ -132,15 +130,7 @@ def test_under_a_stream_of_attacks_a_normal_client_sees_no_failure_and_liveness_
         time.sleep(4)  # the attackers' start (spawned interpreters)
         with ThreadPoolExecutor(1) as probing:
             running = probing.submit(probe)
-            deadline = time.monotonic() + 5
-            while time.monotonic() < deadline:
-                for name, call in NORMAL_CALLS.items():
-                    started = time.perf_counter()
-                    try:
-                        call(server, TOKEN)
-                    except Exception as exc:
-                        failures.append(f"{name}: {exc!r}")
-                    normal.append(time.perf_counter() - started)
+            normal, failures = normal_client(server, TOKEN, 5)
             stop.set()
             running.result()
         sent = [result.get(timeout=120) for result in attacks]

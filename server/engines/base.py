@@ -84,14 +84,11 @@ class EngineRequest:
     # Token ids to score per row (rows first_row..T-1), int64 [R, K], -1 for padding: the
     # student's top-k, say, which the teacher's own top-k misses.
     score_ids: torch.Tensor | None = None
-    # Unique per validated request (request_id is the caller's and may repeat): what
-    # `TeacherEngine.abort` names.
+    # Unique per validated request (the caller's request_id may repeat): what `TeacherEngine.abort` names.
     key: str = field(default_factory=lambda: f"{_KEY_PREFIX}-{next(_KEYS)}")
     # Divides the logits before the log-softmax (log-probs and top-k; hidden states unchanged).
     temperature: float = 1.0
-    # Scopes prompt reuse (`ScoreRequest.cache_salt`, vLLM's cache_salt): only requests of the
-    # same salt share computed prefixes, so a caller's reuse says nothing of another's prompts.
-    cache_salt: str = ""
+    cache_salt: str = ""  # scopes prompt reuse (`ScoreRequest.cache_salt`): salts never share prefixes
 
     @property
     def num_tokens(self) -> int:

@@ -136,6 +136,22 @@ NORMAL_CALLS: dict[str, Callable[[Any, str], None]] = {
 }
 
 
+def normal_client(server, token: str, seconds: float) -> tuple[list[float], list[str]]:
+    """`NORMAL_CALLS` in turn for `seconds`: each call's latency, and each failure's description."""
+    latencies: list[float] = []
+    failures: list[str] = []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        for name, call in NORMAL_CALLS.items():
+            started = time.perf_counter()
+            try:
+                call(server, token)
+            except Exception as exc:
+                failures.append(f"{name}: {exc!r}"[:300])
+            latencies.append(time.perf_counter() - started)
+    return latencies, failures
+
+
 @dataclass(frozen=True)
 class Target:
     """Where a server listens (what an attacker process needs of it)."""
