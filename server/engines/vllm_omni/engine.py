@@ -58,7 +58,6 @@ from typing import Any
 import torch
 
 from proctor.server.engines.base import (
-    EngineConfigError,
     EngineError,
     EngineRequest,
     EngineResult,
@@ -70,7 +69,7 @@ from proctor.server.engines.checks import check_vllm_settings
 from proctor.server.engines.vllm.args import engine_request_id
 from proctor.server.engines.vllm.family import VllmFamilyEngine
 from proctor.server.engines.vllm.media import VllmMedia
-from proctor.server.engines.vllm_omni import prompts
+from proctor.server.engines.vllm_omni import adapter, prompts
 from proctor.server.engines.vllm_omni.config import ENGINE, config_schema, omni_pipeline
 from proctor.server.engines.vllm_omni.outputs import read_result, score_ids_from_hidden
 from proctor.server.engines.vllm_omni.stages import classify_stage_error, process_exit
@@ -120,17 +119,9 @@ class VllmOmniEngine(VllmFamilyEngine):
 
     # -- seams (the tests substitute a fake vLLM-Omni) -------------------------------------
     def _async_omni_class(self) -> Any:
-        from proctor.proto.versions import UnsupportedVersion, check_versions
-
-        try:  # the releases this engine was written against (pyproject's `omni` extras)
-            check_versions(["vllm-omni"], needed_by="inference.name=vllm_omni")
-        except UnsupportedVersion as exc:
-            raise EngineConfigError(str(exc)) from None
-        try:
-            from vllm_omni.entrypoints import AsyncOmni
-        except ImportError as exc:  # pragma: no cover - depends on the install
-            raise EngineError("inference.name=vllm_omni needs vLLM-Omni: pip install vllm-omni") from exc
-        return AsyncOmni
+        """AsyncOmni of a supported release (`adapter`); its stages will return hidden states."""
+        adapter.ask_for_hidden_states()
+        return adapter.async_omni_class()
 
     def _config_schema(self) -> str:
         return config_schema()
