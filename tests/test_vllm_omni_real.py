@@ -17,25 +17,22 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
-import re
 import signal
 import threading
 
 import grpc
 import httpx
-import psutil
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
+from test_multimodal_teachers import _bad_requests, omni_samples
 
 from proctor.client import InvalidArgument, TeacherClient
 from proctor.proto import decode_tensor, scoring_pb2, scoring_pb2_grpc
 from proctor.proto.codec import encode_tensor
 
-from support.multimodal import Sample, assert_scores_match, processor_of, reference
+from support.multimodal import Sample, assert_http_score_matches, assert_scores_match, processor_of, reference
 from support.omni import omni_server
-from support.servers import wait_for
-from test_multimodal_teachers import _bad_requests, omni_samples
+from support.servers import alive, engine_processes, metric_total, replica_metrics, wait_for
 
 TOPK = 4
 MAX_MODEL_LEN = 1024
@@ -65,45 +62,14 @@ def _stub(server):
     return scoring_pb2_grpc.TeacherScoringStub(grpc.insecure_channel(server.grpc_target))
 
 
-def _metrics(server) -> dict[tuple[str, str], float]:
-    out = {}
-    for family in text_string_to_metric_families(httpx.get(server.http_url + "/metrics", timeout=30).text):
-        for sample in family.samples:
-            if "replica" in sample.labels:
-                out[(sample.name, sample.labels["replica"])] = sample.value
-    return out
+_metrics = replica_metrics
+_total = metric_total
+_alive = alive
 
 
-def _total(metrics: dict, name: str) -> float:
-    return sum(v for (n, _), v in metrics.items() if n == name)
-
-
-def stage_processes(server) -> dict[str, psutil.Process]:
-    """replica -> its Thinker stage process (vLLM-Omni's StageEngineCoreProc, a child of the
-    replica worker that logged "<replica>: vllm_omni engine ready in replica worker <pid>")."""
-    hosts = {}
-    for line in list(server.log):
-        match = re.search(r"(\S+): vllm_omni engine ready in replica worker (\d+)", line)
-        if match:
-            hosts[int(match.group(2))] = match.group(1)
-    stages = {}
-    for host in psutil.Process(server.proc.pid).children(recursive=True):
-        if host.pid not in hosts:
-            continue
-        for child in host.children(recursive=True):
-            try:
-                if "StageEngineCore" in child.name() or "StageEngineCore" in " ".join(child.cmdline()):
-                    stages[hosts[host.pid]] = child
-            except psutil.Error:  # a dying replica leaves vanishing processes
-                continue
-    return stages
-
-
-def _alive(proc: psutil.Process) -> bool:
-    try:
-        return proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
+def stage_processes(server) -> dict:
+    """replica -> its Thinker stage process (vLLM-Omni's StageEngineCoreProc)."""
+    return engine_processes(server, "vllm_omni", "StageEngineCore")
 
 
 async def test_text_and_media_score_like_transformers_concurrently(real_omni, omni_model):
@@ -153,17 +119,7 @@ def test_streamed_hidden_states_and_score_ids_equal_the_reference(real_omni, omn
 
 
 def test_http_score_matches_the_reference(real_omni, omni_model):
-    import base64
-
-    sample = omni_samples()["audio"]
-    ref = reference(omni_model, sample)
-    body = {"token_ids": ref.ids, "topk": TOPK, "audios": [
-        {"data": base64.b64encode(item.data).decode(), "media_type": item.media_type} for item in sample.audios]}
-    answer = httpx.post(real_omni.http_url + "/v1/score", json=body, timeout=120)
-    assert answer.status_code == 200, answer.text
-    logprobs = torch.tensor([x for x in answer.json()["logprobs"] if x is not None])
-    want = ref.logprobs.gather(1, torch.tensor(ref.ids)[1:, None])[:, 0]
-    torch.testing.assert_close(logprobs, want, atol=1e-4, rtol=0)
+    assert_http_score_matches(real_omni.http_url, omni_model, omni_samples()["audio"], topk=TOPK)
 
 
 async def test_bad_requests_are_4xx_and_the_server_keeps_serving(real_omni, omni_model):

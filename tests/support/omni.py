@@ -3,8 +3,9 @@
 
 vLLM-Omni 0.30.0 cannot share the main venv (its vLLM and transformers pins differ), so the server
 process runs the omni venv's Python while the test driver and the transformers reference run
-here. Without that venv the omni suites skip, except under CI=true, where they fail: CI builds the
-venv first (.ci/run), so a missing one is a broken CI, never a silent skip.
+here. Without that venv the omni suites skip, except under CI=true or PROCTOR_REQUIRE_OMNI=1
+(.ci/run sets it after building the venv), where they fail: a missing venv there is a broken CI,
+never a silent skip.
 """
 
 from __future__ import annotations
@@ -24,13 +25,13 @@ CPU_STAGE = {"kv_cache_memory_bytes": 128 << 20, "distributed_executor_backend":
 
 
 def omni_python() -> Path:
-    """The omni venv's Python; skips without it (fails under CI=true)."""
+    """The omni venv's Python; skips without it (fails under CI=true or PROCTOR_REQUIRE_OMNI=1)."""
     python = OMNI_VENV / "bin" / "python"
     if python.exists() and (OMNI_VENV / ".installed").exists():
         return python
     why = f"{OMNI_VENV} is missing or unfinished: run scripts/install_omni.sh"
-    if os.environ.get("CI", "").lower() == "true":
-        pytest.fail(f"CI=true and {why}", pytrace=False)
+    if os.environ.get("CI", "").lower() == "true" or os.environ.get("PROCTOR_REQUIRE_OMNI") == "1":
+        pytest.fail(f"CI requires the omni venv and {why}", pytrace=False)
     pytest.skip(why)
 
 

@@ -119,8 +119,7 @@ class VllmOmniEngine(VllmFamilyEngine):
 
     # -- seams (the tests substitute a fake vLLM-Omni) -------------------------------------
     def _async_omni_class(self) -> Any:
-        """AsyncOmni of a supported release (`adapter`); its stages will return hidden states."""
-        adapter.ask_for_hidden_states()
+        """AsyncOmni of a supported release (`adapter`)."""
         return adapter.async_omni_class()
 
     def _config_schema(self) -> str:
@@ -136,6 +135,7 @@ class VllmOmniEngine(VllmFamilyEngine):
 
     async def _start_engines(self) -> None:
         omni_cls = self._async_omni_class()
+        adapter.ask_for_hidden_states()  # before AsyncOmni spawns its stages, which inherit it
         config = self._config_kwargs()
         deadline = float(self.spec.startup_timeout_s)
         kwargs: dict[str, Any] = {
