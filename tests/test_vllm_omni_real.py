@@ -207,3 +207,28 @@ def test_killed_stage_process_under_load_loses_nothing_and_the_replica_comes_bac
         want = text_ref.logprobs.gather(1, torch.tensor(text_ref.ids)[1:, None])[:, 0]
         torch.testing.assert_close(decode_tensor(response.logprobs), want, atol=1e-4, rtol=0)
     assert _metrics(real_omni)[(scored, "omni-0")] > after.get((scored, "omni-0"), 0)
+
+
+def test_serve_takes_the_run_release_and_refuses_others_in_one_line(omni_model):
+    """In .venv-omni the installed 0.30.0 passes the start check and any other release is one line;
+    here, without vLLM-Omni, `proctor serve --engine vllm_omni` exits 1 with that one line."""
+    import subprocess
+    import sys
+
+    from support.omni import omni_python
+
+    probe = ("from proctor.proto import versions; from proctor.server.engines.vllm_omni import adapter; "
+             "print(adapter.check_omni_version()); print(versions.problem('vllm-omni', '0.29.0'))")
+    run = subprocess.run([str(omni_python()), "-c", probe], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.splitlines() == [
+        "0.30.0",
+        "vLLM-Omni 0.29.0 is installed, but proctor supports vLLM-Omni 0.30.0 or 0.18.0: "
+        "pip install 'proctor[omni]' or 'proctor[omni-ascend]'",
+    ]
+    refused = subprocess.run([sys.executable, "-m", "proctor.server.cli", "serve", "--engine", "vllm_omni",
+                              "--model", str(omni_model)], capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 1
+    (line,) = refused.stderr.strip().splitlines()
+    assert line.startswith("proctor: cannot serve: vLLM-Omni is not installed, but proctor needs "
+                           "vLLM-Omni 0.30.0 or 0.18.0 (for inference.name=vllm_omni)"), line
