@@ -5,12 +5,16 @@
 	bash scripts/install.sh
 	touch $@
 
+# vLLM-Omni's own environment: the vllm_omni engine's suites serve from it (tests/support/omni.py).
+.venv-omni/.installed: scripts/install_omni.sh tests/omni_cpu_platform/pyproject.toml
+	bash scripts/install_omni.sh
+
 setup: .venv/.installed
 
 demo: .venv/.installed
 	.venv/bin/proctor demo
 
-test: .venv/.installed
+test: .venv/.installed .venv-omni/.installed
 	.venv/bin/python -m pytest -q
 
 lint: .venv/.installed

@@ -12,9 +12,12 @@ is a real fault:
 - batch size: `_parse_stage_deploy` / `StageDeployConfig.max_num_seqs` (stage key; a
   `runtime.max_batch_size` is not read in this schema); the stage admits at most that many
   sequences at once. `legacy_max_num_seqs` mirrors 0.18.0's `StageConfig.to_omegaconf`.
-- engine output: `_build_engine_args` applies the stage's extra keys last, so
-  `engine_output_type` overrides the thinker-only topology's "text"
-  (`models/qwen3_omni/pipeline.py:QWEN3_OMNI_THINKER_ONLY_PIPELINE`).
+- config front door (`resolve_config`, checked against the real one by
+  tests/test_vllm_omni_engine.py through support/omni_config_check.py): `stage_configs_path` and the
+  `stage_args` schema refused; a stage key no structured config owns (`engine_output_type`,
+  `disable_log_stats`) refused; the thinker-only topology's engine_output_type is "latent".
+- output: 0.30.0's `OmniRequestOutput` is a flat vLLM `RequestOutput`; hidden states only where
+  the Thinker declares them a client output (`_output`).
 - `generate`: `AsyncOmni.generate` suffixes the request id with a uuid, processes inputs in the
   caller (vLLM's `ValueError` for a prompt over max_model_len, its `RuntimeError` for a
   placeholder count mismatch), and on `CancelledError` aborts the request; stage errors arrive
@@ -52,7 +55,29 @@ log.setLevel(logging.INFO)  # vllm_omni's init_logger logs at INFO
 IMAGE, SLOW, CLIENT_ERROR, ENGINE_ERROR = 99, 96, 98, 97
 HIDDEN = 4
 FAKE_MAX_NUM_SEQS_DEFAULT = 256  # vLLM's own default when the deploy file sets none
-TOPOLOGY_OUTPUT_TYPE = "text"  # the thinker-only pipelines' engine_output_type
+TOPOLOGY_OUTPUT_TYPE = "latent"  # the thinker-only pipelines' engine_output_type
+# Stage keys no structured config of 0.30.0 owns, among those proctor ever wrote.
+UNOWNED_STAGE_KEYS = frozenset({"engine_output_type", "disable_log_stats"})
+
+
+def resolve_config(key: str, path: str) -> dict[str, Any]:
+    """What 0.30.0's config front door makes of `key=path` (`support/omni_config_check.py` runs
+    the real one: `prepare_stage_config_inputs`, `load_deploy_config`, the stage ownership check),
+    as that script reports it: {"error": message} or the stage's resolved settings."""
+    if key != "deploy_config":
+        return {"error": f"`{key}` is no longer supported; use `deploy_config` instead."}
+    config = yaml.safe_load(open(path))  # noqa: SIM115
+    if "stage_args" in config:
+        return {"error": f"Deploy config {path} uses the removed `stage_args` schema; "
+                         "define topology in PipelineConfig and deployment overrides under `stages`."}
+    (stage,) = config["stages"]
+    unowned = sorted(UNOWNED_STAGE_KEYS & set(stage))
+    if unowned:
+        return {"error": f"Stage 0 (llm_ar) has explicit engine argument(s) with no structured config owner: "
+                         f"{', '.join(unowned)}"}
+    return {"engine_output_type": TOPOLOGY_OUTPUT_TYPE,
+            "max_num_seqs": int(stage.get("max_num_seqs") or FAKE_MAX_NUM_SEQS_DEFAULT),
+            "max_logprobs": stage.get("max_logprobs")}
 
 
 class OmniClientError(ValueError):
@@ -142,17 +167,16 @@ class FakeAsyncOmni:
 
     def __init__(self, model: str = "", *, deploy_config: str | None = None, stage_configs_path: str | None = None,
                  init_timeout: int = 600, stage_init_timeout: int = 300, log_stats: bool = False) -> None:
-        if stage_configs_path is not None:
-            raise ValueError("`stage_configs_path` is no longer supported; use `deploy_config` instead.")
-        config = yaml.safe_load(open(deploy_config))  # noqa: SIM115
-        if "stage_args" in config:
-            raise ValueError(f"Deploy config {deploy_config} uses the removed `stage_args` schema")
+        key, path = ("stage_configs_path", stage_configs_path) if stage_configs_path else ("deploy_config", deploy_config)
+        resolved = resolve_config(key, path)
+        if "error" in resolved:
+            raise ValueError(resolved["error"])
         self.kwargs = {"model": model, "init_timeout": init_timeout, "stage_init_timeout": stage_init_timeout}
-        self.config = config
-        (stage,) = config["stages"]
-        self.max_num_seqs = int(stage.get("max_num_seqs") or FAKE_MAX_NUM_SEQS_DEFAULT)
+        self.config = yaml.safe_load(open(path))  # noqa: SIM115
+        (stage,) = self.config["stages"]
+        self.max_num_seqs = resolved["max_num_seqs"]
         self.max_model_len = int(self.stage_max_model_len or stage.get("max_model_len") or 1 << 20)
-        self.engine_output_type = stage.get("engine_output_type", TOPOLOGY_OUTPUT_TYPE)
+        self.engine_output_type = resolved["engine_output_type"]
         ctx = mp.get_context("fork")
         self._cmd_q, self._out_q = ctx.Queue(), ctx.Queue()
         self._proc = ctx.Process(
@@ -289,10 +313,15 @@ class FakeAsyncOmni:
 
 
 def _output(request_id: str, ids: list[int], topk: int, output_type: str | None, finish_reason: str = "length"):
-    """An OmniRequestOutput: request_output (vLLM RequestOutput) with flat prompt logprobs and,
-    for a non-"text" engine_output_type, the accumulated hidden states in multimodal_output."""
+    """An OmniRequestOutput of 0.30.0: a vLLM RequestOutput itself (flat prompt logprobs), whose
+    completion carries the accumulated multimodal output. The AR runner sends the hidden-state
+    payload of a final stage only when the model declares it a client output (proctor's
+    vllm_omni.general_plugins declaration, made where `adapter.HIDDEN_STATES_ENV` is set), and the
+    output processor files it under the stage's engine_output_type."""
     import torch
     from vllm.logprobs import FlatLogprobs
+
+    from proctor.server.engines.vllm_omni.adapter import HIDDEN_STATES_ENV
 
     flat = FlatLogprobs()
     flat.append(None)
@@ -300,12 +329,12 @@ def _output(request_id: str, ids: list[int], topk: int, output_type: str | None,
         cands = [ids[i], 7, 8][: topk + 1]
         flat.append_fast(cands, [-float(i), -0.1, -0.2][: topk + 1], iter([3, 1, 2][: topk + 1]), [None] * (topk + 1))
     payload = None
-    if output_type not in (None, "text"):
+    if output_type is not None and os.environ.get(HIDDEN_STATES_ENV) == "1":
         payload = {output_type: torch.arange(len(ids) * HIDDEN, dtype=torch.float32).reshape(len(ids), HIDDEN)}
     completion = SimpleNamespace(multimodal_output=payload, finish_reason=finish_reason, token_ids=[1])
-    request_output = SimpleNamespace(prompt_logprobs=flat if finish_reason != "abort" else None, prompt_token_ids=ids,
-                                     outputs=[completion], multimodal_output=None)
-    return SimpleNamespace(request_id=request_id, stage_id=0, final_output_type="text", request_output=request_output)
+    return SimpleNamespace(request_id=request_id, stage_id=0, final_output_type="text", finished=True,
+                           prompt_logprobs=flat if finish_reason != "abort" else None, prompt_token_ids=ids,
+                           outputs=[completion], multimodal_output=payload or {})
 
 
 def fake_omni(**options: Any) -> type[FakeAsyncOmni]:

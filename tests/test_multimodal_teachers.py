@@ -14,7 +14,6 @@ are unaffected. The verl adapter's path is verl's own `compute_teacher_logprobs_
 from __future__ import annotations
 
 import asyncio
-import base64
 
 import httpx
 import numpy as np
@@ -25,6 +24,7 @@ from proctor.client import InvalidArgument, Media, TeacherClient
 
 from support.multimodal import (
     Sample,
+    assert_http_score_matches,
     assert_scores_match,
     jpeg,
     mp4,
@@ -155,15 +155,7 @@ async def test_media_sequences_score_like_transformers_in_one_batch_with_text(re
 
 
 async def test_media_over_http_json_matches_grpc(vllm_omni_thinker, tiny_multimodal):
-    sample = omni_samples()["audio"]
-    ref = reference(tiny_multimodal["omni"], sample)
-    body = {"token_ids": ref.ids, "topk": TOPK, "audios": [
-        {"data": base64.b64encode(item.data).decode(), "media_type": item.media_type} for item in sample.audios]}
-    answer = httpx.post(vllm_omni_thinker.http_url + "/v1/score", json=body, timeout=120)
-    assert answer.status_code == 200, answer.text
-    logprobs = torch.tensor([x for x in answer.json()["logprobs"] if x is not None])
-    want = ref.logprobs.gather(1, torch.tensor(ref.ids)[1:, None])[:, 0]
-    torch.testing.assert_close(logprobs, want, atol=1e-4, rtol=0)
+    assert_http_score_matches(vllm_omni_thinker.http_url, tiny_multimodal["omni"], omni_samples()["audio"], topk=TOPK)
 
 
 def _bad_requests(model_dir):

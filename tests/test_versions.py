@@ -50,7 +50,7 @@ def test_what_ci_installs_is_what_the_table_claims():
     installed = [c for c in versions.COMPONENTS if versions.installed(c) is not None]
     assert {"python", "torch", "transformers", "trl"} <= set(installed)
     versions.check_versions(installed)  # raises, naming every mismatch, if CI ran something unclaimed
-    assert versions.installed("vllm-omni") is None  # claimed from its wheels, not run here (pyproject.toml)
+    assert versions.installed("vllm-omni") is None  # it runs in .venv-omni (scripts/install_omni.sh), not here
 
 
 def test_the_lowest_claimed_python_is_the_one_running_the_suite():

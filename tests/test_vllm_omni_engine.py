@@ -1,10 +1,12 @@
-"""The vLLM-Omni engine against fakes of vLLM-Omni 0.30.0 (tests/omni_fakes.py says what each
-fake mirrors): settings, deploy/stage config, request construction, payload extraction, and the
-faults: batch size reaching the stage, abort and cancellation reaching the stage, a SIGKILLed
-stage process, a start that never becomes ready, request errors vs replica errors.
+"""The vLLM-Omni engine's settings, configs and fault paths, with fakes of vLLM-Omni 0.30.0 where
+the real library cannot be made to do what a test needs (tests/omni_fakes.py says what each fake
+mirrors; each fake-backed test says in its first docstring line why it is not run on the real one).
 
-vLLM-Omni cannot run on CPU; its stage here is a real child process, so killing it is a real
-fault. Every wait is bounded (`asyncio.wait_for`), so a regression fails instead of hanging.
+The real vLLM-Omni 0.30.0 runs in tests/test_vllm_omni_real.py (scoring, media, hidden states,
+score_ids, bad requests, a SIGKILLed stage under load), and `test_omni_fakes_match_the_real_library`
+runs the fakes' config front door beside the real one on the same files. The fake's stage is a
+real child process, so killing it is a real fault. Every wait is bounded (`asyncio.wait_for`), so a
+regression fails instead of hanging.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -38,9 +41,20 @@ from proctor.server.engines.vllm_omni.outputs import extract_hidden, stage_outpu
 from proctor.server.engines.vllm_omni.prompts import build_prompt
 from proctor.server.engines.vllm_omni.stages import classify_stage_error
 
-from omni_fakes import CLIENT_ERROR, ENGINE_ERROR, IMAGE, SLOW, FakeAsyncOmni, fake_omni, legacy_max_num_seqs
+from omni_fakes import (
+    CLIENT_ERROR,
+    ENGINE_ERROR,
+    IMAGE,
+    SLOW,
+    FakeAsyncOmni,
+    fake_omni,
+    legacy_max_num_seqs,
+    resolve_config,
+)
+from support.omni import omni_python
 
 OMNI_KWARGS = {"output_mode": "ar", "pipeline_name": "qwen3_omni_moe"}
+ROOT_TESTS = Path(__file__).resolve().parent
 BOUND_S = 10.0  # no fault test may take longer than this to answer
 
 
@@ -53,6 +67,13 @@ def _omni_spec(path="/m", startup_timeout_s=60.0, **inference):
 def _request(rid="r", ids=(3, 9, 4, 5, 6), *, first_row=2, topk=2, hidden=False, media=None):
     return EngineRequest(request_id=rid, token_ids=torch.tensor(list(ids)), first_row=first_row, logprobs=True,
                          topk=topk, hidden_states=hidden, media=media)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _vllm_imported():
+    """vLLM's import (seconds on a busy machine) before any bounded start: the fakes build vLLM's
+    FlatLogprobs, and BOUND_S bounds the engine, not the import."""
+    import vllm.logprobs  # noqa: F401
 
 
 @pytest.fixture
@@ -124,14 +145,18 @@ def test_omni_stage_config_is_one_thinker_stage():
     assert args["tensor_parallel_size"] == 2 and args["gpu_memory_utilization"] == 0.8
     assert args["max_num_seqs"] == 128 and args["max_logprobs"] == 32 and args["dtype"] == "bfloat16"
     assert not {"output_mode", "pipeline_name", "temperature"} & set(args)
-    (deployed,) = deploy_config(spec, PIPELINES["qwen3_omni_moe"], 32)["stages"]
-    assert deploy_config(spec, PIPELINES["qwen3_omni_moe"], 32)["pipeline"] == "qwen3_omni_moe_thinker_only"
-    assert deployed["devices"] == "0,1" and deployed["engine_output_type"] == "latent"
-    assert deployed["max_num_seqs"] == 128 and not {"model_stage", "worker_cls", "model_arch"} & set(deployed)
+    deploy = deploy_config(spec, PIPELINES["qwen3_omni_moe"], 32)
+    (deployed,) = deploy["stages"]
+    assert deploy["pipeline"] == "qwen3_omni_moe_thinker_only" and deploy["dtype"] == "bfloat16"
+    assert deploy["trust_remote_code"] is True and "dtype" not in deployed  # pipeline-wide: top level
+    assert deployed["devices"] == "0,1" and deployed["max_num_seqs"] == 128
+    # the topology owns these; 0.30.0 refuses them in a stage (test_omni_fakes_match_the_real_library)
+    assert not {"model_stage", "worker_cls", "model_arch", "engine_output_type", "disable_log_stats"} & set(deployed)
 
 
 def test_omni_stage_batch_size_is_the_teachers_or_256_under_vllm_omnis_rules():
-    """0.18.0 turns runtime.max_batch_size into max_num_seqs with a default of 1: proctor's
+    """Not run on the real 0.18.0 (the Ascend image's pin): its legacy rule, mirrored.
+    0.18.0 turns runtime.max_batch_size into max_num_seqs with a default of 1: proctor's
     legacy config must not leave that to it."""
     pipeline = PIPELINES["qwen2_5_omni"]
     (stage,) = stage_config(_omni_spec(), pipeline, 16)["stage_args"]
@@ -143,7 +168,9 @@ def test_omni_stage_batch_size_is_the_teachers_or_256_under_vllm_omnis_rules():
 
 
 async def test_omni_batch_size_reaches_the_stage(model_dir):
-    """The stage process admits max_num_seqs sequences at once: the teacher's setting, not 1."""
+    """Fake: how many sequences the stage admits at once is not observable outside the real
+    stage (the real resolver's max_num_seqs is checked in test_omni_fakes_match_the_real_library).
+    The stage process admits max_num_seqs sequences at once: the teacher's setting, not 1."""
     engine = await _started(model_dir, max_num_seqs=3)
     try:
         assert engine._omni.max_num_seqs == 3
@@ -156,7 +183,9 @@ async def test_omni_batch_size_reaches_the_stage(model_dir):
 
 
 async def test_omni_legacy_stage_configs_path_is_refused_by_0_30_schema(model_dir):
-    """What proctor wrote before: a stage_args file passed as stage_configs_path fails on 0.30.0."""
+    """Fake: the engine's start path on the refusal; the real refusal is
+    test_omni_fakes_match_the_real_library's.
+    What proctor wrote before: a stage_args file passed as stage_configs_path fails on 0.30.0."""
     class Legacy(_FakedEngine):
         def _config_schema(self) -> str:
             return "stage_args"
@@ -197,6 +226,8 @@ def test_omni_prompt_decodes_only_when_the_service_did_not():
 
 
 async def test_omni_engine_scores_decoded_media_through_the_stage(model_dir):
+    """Fake: it reads the objects the stage received (decoded media, never the bytes); real media
+    scoring is test_vllm_omni_real's."""
     from PIL import Image
 
     engine = await _started(model_dir)
@@ -214,7 +245,9 @@ async def test_omni_engine_scores_decoded_media_through_the_stage(model_dir):
 
 
 async def test_omni_engine_collapses_placeholder_runs_and_checks_the_stages_expansion(tmp_path):
-    """A checkpoint whose config names its image placeholder: each run goes to the stage as one
+    """Fake: it reads the prompts the stage received, which the real stage does not report
+    (the real expansion check runs in test_vllm_omni_real's bad requests).
+    A checkpoint whose config names its image placeholder: each run goes to the stage as one
     token, the stage's processor expands it again (3 tokens an image here, as vLLM's prompt
     updates do), and the answer is used only when that expansion is the ids sent."""
     from PIL import Image
@@ -243,7 +276,8 @@ async def test_omni_engine_collapses_placeholder_runs_and_checks_the_stages_expa
 
 
 def _fake_omni_output(ids, hidden_chunks, k=2, key="latent", on_completion=True):
-    """An OmniRequestOutput-shaped object: request_output.prompt_logprobs + multimodal_output."""
+    """An OmniRequestOutput of 0.30.0: a flat RequestOutput (prompt_logprobs, outputs) whose
+    multimodal output sits on its completion or on itself."""
     from vllm.logprobs import FlatLogprobs
 
     flat = FlatLogprobs()
@@ -253,12 +287,13 @@ def _fake_omni_output(ids, hidden_chunks, k=2, key="latent", on_completion=True)
         flat.append_fast(cands, [-float(i), -0.1, -0.2][: k + 1], iter([3, 1, 2][: k + 1]), [None] * (k + 1))
     payload = {key: hidden_chunks if len(hidden_chunks) > 1 else hidden_chunks[0]}
     completion = SimpleNamespace(multimodal_output=payload if on_completion else None)
-    request_output = SimpleNamespace(prompt_logprobs=flat, outputs=[completion],
-                                     multimodal_output=None if on_completion else payload)
-    return SimpleNamespace(request_id="x", stage_id=0, final_output_type="text", request_output=request_output)
+    return SimpleNamespace(request_id="x", stage_id=0, final_output_type="text", prompt_logprobs=flat,
+                           outputs=[completion], multimodal_output=None if on_completion else payload)
 
 
 def test_omni_hidden_states_from_chunked_multimodal_output():
+    """Fake outputs: the chunk lists and both holders 0.30.0 may attach; the real server's
+    hidden states (test_vllm_omni_real) arrive consolidated."""
     states = torch.randn(6, 4)
     out = stage_output(_fake_omni_output(list(range(6)), [states[:4], states[4:]]))
     torch.testing.assert_close(extract_hidden(out, 6), states)
@@ -266,11 +301,13 @@ def test_omni_hidden_states_from_chunked_multimodal_output():
     torch.testing.assert_close(extract_hidden(out, 6), states)
     with pytest.raises(EngineError, match="shape"):
         extract_hidden(out, 7)
-    with pytest.raises(EngineError, match="engine_output_type"):
+    with pytest.raises(EngineError, match="client output"):
         extract_hidden(SimpleNamespace(outputs=[], multimodal_output={}), 6)
 
 
 async def test_omni_engine_scores_through_a_fake_async_omni():
+    """Fake: it records the SamplingParams and request id proctor sends, which the real stage
+    does not report back."""
     ids = [3, 9, 4, 5, 6]
     states = torch.randn(5, 4)
 
@@ -301,6 +338,8 @@ async def test_omni_engine_scores_through_a_fake_async_omni():
 
 
 async def test_omni_abort_stops_the_request_in_the_stage(model_dir):
+    """Fake: a request must stay running to be aborted (the SLOW marker); the tiny Thinker
+    answers in milliseconds."""
     engine = await _started(model_dir)
     try:
         slow = _request("slow", ids=(3, SLOW, 4))
@@ -316,6 +355,7 @@ async def test_omni_abort_stops_the_request_in_the_stage(model_dir):
 
 
 async def test_omni_cancelled_score_stops_the_request_in_the_stage(model_dir):
+    """Fake: as the abort test (a request that stays running)."""
     engine = await _started(model_dir)
     try:
         scoring = asyncio.create_task(engine.score([_request("gone", ids=(3, SLOW, 4))]))
@@ -330,6 +370,8 @@ async def test_omni_cancelled_score_stops_the_request_in_the_stage(model_dir):
 
 
 async def test_omni_killed_stage_fails_inflight_requests_and_health(model_dir):
+    """Fake: times the engine's own watcher (3 polls) on requests held running; the real
+    SIGKILL under load is test_vllm_omni_real's."""
     engine = await _started(model_dir)
     try:
         assert engine._omni.stage_pid in engine._stage_procs  # the stage process is watched
@@ -351,7 +393,8 @@ async def test_omni_killed_stage_fails_inflight_requests_and_health(model_dir):
 
 
 async def test_omni_startup_deadline_fails_with_the_log_tail(model_dir, monkeypatch):
-    """A stage that never becomes ready under a vLLM-Omni whose start never returns."""
+    """Fake: a real stage cannot be made never to become ready on demand.
+    A stage that never becomes ready under a vLLM-Omni whose start never returns."""
     monkeypatch.setattr(omni_mod, "STARTUP_GRACE_S", 0.2)
     engine = _FakedEngine(_omni_spec(model_dir, startup_timeout_s=1.0, max_model_len=64))
     engine.omni_cls = fake_omni(hang_init=True, stage_ready=False)
@@ -368,6 +411,7 @@ async def test_omni_startup_deadline_fails_with_the_log_tail(model_dir, monkeypa
 
 
 async def test_omni_startup_passes_the_deadline_to_vllm_omni(model_dir, monkeypatch):
+    """Fake: as the deadline test (a stage that never becomes ready)."""
     monkeypatch.setattr(omni_mod, "STARTUP_GRACE_S", 30.0)  # vLLM-Omni's own timeout must fire first
     engine = _FakedEngine(_omni_spec(model_dir, startup_timeout_s=1.0, max_model_len=64))
     engine.omni_cls = fake_omni(stage_ready=False)
@@ -378,6 +422,8 @@ async def test_omni_startup_passes_the_deadline_to_vllm_omni(model_dir, monkeypa
 
 
 async def test_omni_request_errors_are_the_requests_and_engine_errors_the_replicas(model_dir):
+    """Fake: stage-reported 400s and engine errors cannot be provoked on demand in the real
+    stage; too-long prompts and placeholder mismatches run for real in test_vllm_omni_real."""
     from PIL import Image
 
     engine = await _started(model_dir, fake_omni(stage_max_model_len=32))
@@ -405,7 +451,8 @@ async def test_omni_request_errors_are_the_requests_and_engine_errors_the_replic
 
 
 def test_omni_classification_of_0_18_runtime_errors():
-    """0.18.0 raises RuntimeError(<orchestrator error dict>) for every stage error."""
+    """Not run on the real 0.18.0: it is the Ascend image's pin (written against its wheel).
+    0.18.0 raises RuntimeError(<orchestrator error dict>) for every stage error."""
     req = _request(media=MultiModalInputs(videos=(MediaItem(b"v", "video/mp4"),)))
     err = RuntimeError({"request_id": "r", "stage_id": 0, "error": "video frames could not be sampled"})
     rejected = classify_stage_error(err, req)
@@ -419,3 +466,40 @@ def test_omni_classification_of_0_18_runtime_errors():
     assert isinstance(nccl, RequestFailed) and "NCCL" in nccl.cause
     dead = classify_stage_error(type("EngineDeadError", (RuntimeError,), {})("prompt too long"), req)
     assert isinstance(dead, EngineError)
+
+
+def test_omni_fakes_match_the_real_library(tmp_path):
+    """The fakes' config front door (omni_fakes.resolve_config, what FakeAsyncOmni accepts and
+    how it sets up its stage) beside the real vLLM-Omni 0.30.0's on the same files, in .venv-omni:
+    proctor's deploy config is accepted with the topology's "latent" output and the teacher's
+    max_num_seqs and max_logprobs; the keys proctor wrote before, the legacy `stage_args` schema
+    and `stage_configs_path` are refused with the same messages."""
+    import subprocess
+
+    import yaml
+
+    from proctor.server.tiny_multimodal import make_tiny_omni_thinker
+
+    python = omni_python()
+    model = make_tiny_omni_thinker(tmp_path / "thinker")
+    spec = _omni_spec(model, max_num_seqs=48, max_model_len=512,
+                      engine_kwargs={"vllm_omni": {"output_mode": "ar", "pipeline_name": "qwen2_5_omni"}})
+    pipeline = PIPELINES["qwen2_5_omni"]
+    written = deploy_config(spec, pipeline, 8)
+    refused = {**written, "stages": [{**written["stages"][0], "engine_output_type": "latent",
+                                      "disable_log_stats": True}]}
+    files = {}
+    for name, config in {"deploy": written, "refused": refused, "legacy": stage_config(spec, pipeline, 8)}.items():
+        files[name] = tmp_path / f"{name}.yaml"
+        files[name].write_text(yaml.safe_dump(config))
+    cases = [("deploy_config", files["deploy"]), ("deploy_config", files["refused"]),
+             ("deploy_config", files["legacy"]), ("stage_configs_path", files["deploy"])]
+    script = ROOT_TESTS / "support" / "omni_config_check.py"
+    run = subprocess.run([str(python), str(script), str(model), *[str(x) for case in cases for x in case]],
+                         capture_output=True, text=True, timeout=300)
+    (line,) = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")] or [run.stderr[-3000:]]
+    real = json.loads(line.removeprefix("RESULT "))
+    fake = [resolve_config(key, str(path)) for key, path in cases]
+    assert fake == real
+    assert real[0] == {"engine_output_type": "latent", "max_num_seqs": 48, "max_logprobs": 8}
+    assert all("error" in outcome for outcome in real[1:])

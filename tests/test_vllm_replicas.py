@@ -20,14 +20,13 @@ import httpx
 import psutil
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
 from proctor.proto import scoring_pb2, scoring_pb2_grpc
 from proctor.proto.codec import decode_tensor
 
 from support.reference import assert_matches_reference
 from support.scoring import sequences
-from support.servers import SubprocessServer, engine_cores, wait_for
+from support.servers import SubprocessServer, alive, engine_cores, metric_total, replica_metrics, wait_for
 
 pytestmark = pytest.mark.vllm
 
@@ -59,25 +58,9 @@ def two_replicas(vllm_model_dir):
     server.stop()
 
 
-def _metrics(server) -> dict[tuple[str, str], float]:
-    """(sample name, replica) -> value for the replica counters and gauges."""
-    out = {}
-    for family in text_string_to_metric_families(httpx.get(server.http_url + "/metrics").text):
-        for sample in family.samples:
-            if "replica" in sample.labels:
-                out[(sample.name, sample.labels["replica"])] = sample.value
-    return out
-
-
-def _total(metrics: dict, name: str) -> float:
-    return sum(v for (n, _), v in metrics.items() if n == name)
-
-
-def _alive(proc: psutil.Process) -> bool:
-    try:
-        return proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
+_metrics = replica_metrics
+_total = metric_total
+_alive = alive
 
 
 def _stub(server):

@@ -164,3 +164,21 @@ def assert_scores_match(scores, ref: Reference, *, topk: int, atol: float = 1e-4
         torch.testing.assert_close(scores.topk_logprobs, values, atol=atol, rtol=0)
     if scores.hidden_states is not None:
         torch.testing.assert_close(scores.hidden_states.float(), ref.hidden[first - 1 : -1], atol=atol, rtol=0)
+
+
+def assert_http_score_matches(http_url: str, model_dir: str | Path, sample: Sample, *, topk: int) -> None:
+    """The sample scored through the HTTP JSON surface (/v1/score, media base64): its log-probs
+    equal the reference at 1e-4."""
+    import base64
+
+    import httpx
+
+    ref = reference(model_dir, sample)
+    body = {"token_ids": ref.ids, "topk": topk}
+    for kind, items in sample.media().items():
+        body[kind] = [{"data": base64.b64encode(item.data).decode(), "media_type": item.media_type} for item in items]
+    answer = httpx.post(http_url + "/v1/score", json=body, timeout=120)
+    assert answer.status_code == 200, answer.text
+    logprobs = torch.tensor([x for x in answer.json()["logprobs"] if x is not None])
+    want = ref.logprobs.gather(1, torch.tensor(ref.ids)[1:, None])[:, 0]
+    torch.testing.assert_close(logprobs, want, atol=1e-4, rtol=0)

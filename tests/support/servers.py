@@ -169,17 +169,19 @@ class SubprocessServer:
             return self.proc.wait()
 
 
-def engine_cores(server: SubprocessServer) -> dict:
-    """replica id -> the vLLM EngineCore process of that replica of a `proctor serve` process.
+def engine_processes(server: SubprocessServer, engine: str = "vllm", marker: str = "EngineCore") -> dict:
+    """replica id -> the engine process of that replica of a `proctor serve` process.
 
-    Each vLLM replica runs in an engine host (`proctor.server.worker.main`) that logs
-    "<replica>: vllm engine ready in replica worker <pid>"; its EngineCore is a child of the replica worker.
+    Each vLLM-family replica runs in an engine host (`proctor.server.worker.main`) that logs
+    "<replica>: <engine> engine ready in replica worker <pid>"; its engine process (vLLM's
+    EngineCore, vLLM-Omni's StageEngineCoreProc: `marker` in its name or command line) is a
+    child of the replica worker.
     """
     import psutil
 
     hosts = {}
-    for line in server.log:
-        match = re.search(r"(\S+): vllm engine ready in replica worker (\d+)", line)
+    for line in list(server.log):
+        match = re.search(rf"(\S+): {re.escape(engine)} engine ready in replica worker (\d+)", line)
         if match:
             hosts[int(match.group(2))] = match.group(1)
     cores = {}
@@ -188,8 +190,41 @@ def engine_cores(server: SubprocessServer) -> dict:
             continue
         for child in proc.children(recursive=True):
             try:  # a dying replica leaves zombies and vanishing processes in the tree
-                if "EngineCore" in child.name() or "EngineCore" in " ".join(child.cmdline()):
+                if marker in child.name() or marker in " ".join(child.cmdline()):
                     cores[hosts[proc.pid]] = child
             except psutil.Error:
                 continue
     return cores
+
+
+def engine_cores(server: SubprocessServer) -> dict:
+    """replica id -> the vLLM EngineCore process of that replica of a `proctor serve` process."""
+    return engine_processes(server)
+
+
+def replica_metrics(server) -> dict[tuple[str, str], float]:
+    """(sample name, replica) -> value for the replica counters and gauges of a server's /metrics."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for family in text_string_to_metric_families(httpx.get(server.http_url + "/metrics", timeout=30).text):
+        for sample in family.samples:
+            if "replica" in sample.labels:
+                out[(sample.name, sample.labels["replica"])] = sample.value
+    return out
+
+
+def metric_total(metrics: dict, name: str) -> float:
+    """One sample summed over the replicas (`replica_metrics`)."""
+    return sum(v for (n, _), v in metrics.items() if n == name)
+
+
+def alive(proc) -> bool:
+    """A psutil.Process that runs (not gone, not a zombie)."""
+    import psutil
+
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

@@ -31,8 +31,17 @@ OMNI_OWN_KEYS = frozenset(
 # Sequences the Thinker stage schedules at once when the teacher does not say (vLLM's own
 # default for a GPU; vLLM-Omni's legacy default of 1 would score one sequence at a time).
 DEFAULT_MAX_NUM_SEQS = 256
-# Engine args that the 0.30.0 pipeline topology owns (`StagePipelineConfig`), not the deploy file.
-TOPOLOGY_ARGS = ("model_stage", "model_arch", "hf_config_name", "worker_cls", "scheduler_cls")
+# Engine args that the 0.30.0 pipeline topology owns (`StagePipelineConfig`: the thinker-only
+# topologies set engine_output_type "latent"), and one (disable_log_stats) that AsyncOmni takes as
+# its `log_stats` argument: 0.30.0 refuses them in a deploy stage ("explicit engine argument(s)
+# with no structured config owner", `config/omni_config.py:_validate_stage_engine_override_ownership`).
+TOPOLOGY_ARGS = ("model_stage", "model_arch", "hf_config_name", "worker_cls", "scheduler_cls",
+                 "engine_output_type", "disable_log_stats")
+# Pipeline-wide engine settings: 0.30.0 reads them at the deploy file's top level only
+# (`config/stage_config.py:DeployConfig`; in a stage, distributed_executor_backend is ignored).
+PIPELINE_WIDE_ARGS = ("trust_remote_code", "distributed_executor_backend", "dtype", "quantization",
+                      "enable_prefix_caching", "enable_chunked_prefill", "data_parallel_size",
+                      "pipeline_parallel_size")
 @dataclass(frozen=True)
 class OmniPipeline:
     """What proctor must know of one vLLM-Omni model family to serve its Thinker."""
@@ -154,18 +163,18 @@ def stage_config(spec: EngineSpec, pipeline: OmniPipeline, max_logprobs: int) ->
 def deploy_config(spec: EngineSpec, pipeline: OmniPipeline, max_logprobs: int) -> dict[str, Any]:
     """A deploy config (vLLM-Omni 0.30.0's `deploy_config` schema) for the thinker-only pipeline.
 
-    The topology (architecture, sub-config, worker and scheduler) comes from the registered
-    `<family>_thinker_only` pipeline; stage 0 carries the engine args as flat keys, which
-    vLLM-Omni sorts into `StageDeployConfig` fields and `engine_extras`.
+    The topology (architecture, sub-config, worker, scheduler, engine output type) comes from the
+    registered `<family>_thinker_only` pipeline; the pipeline-wide settings go at the top level
+    and stage 0 carries the rest as flat keys, which vLLM-Omni sorts into `StageDeployConfig`
+    fields and `engine_extras` (each must have an owner among its structured configs).
     """
     args = stage_engine_args(spec, pipeline, max_logprobs)
     for key in TOPOLOGY_ARGS:
         args.pop(key, None)
-    stage = {"stage_id": 0, "devices": _stage_devices(args), **args}
+    wide = {key: args.pop(key) for key in PIPELINE_WIDE_ARGS if key in args}
+    stage = {"stage_id": 0, "devices": _stage_devices({**args, **wide}), **args}
     stage["default_sampling_params"] = dict(SCORING_STAGE_DEFAULTS)
-    return {"pipeline": pipeline.thinker_only, "async_chunk": False, "stages": [stage]}
-
-
+    return {"pipeline": pipeline.thinker_only, "async_chunk": False, **wide, "stages": [stage]}
 
 
 def config_schema() -> str:

