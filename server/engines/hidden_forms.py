@@ -136,6 +136,21 @@ class HiddenForms:
             self._file = None
 
 
+_PROJECTED_KEPT: dict[tuple[str, int], torch.Tensor] = {}
+_PROJECTED_TEACHERS = 4  # W·P kept for this many (weights, rank) pairs
+
+
+def projected_unembedding(weight: torch.Tensor, rank: int, fingerprint: str) -> torch.Tensor:
+    """W·P [V, r] for the front, P computed from `weight` by `projection_of` (the engines' rule, so the
+    same weights give the same P); kept per weights' `fingerprint` and rank: one SVD per teacher."""
+    key = (fingerprint, rank)
+    if key not in _PROJECTED_KEPT:
+        while len(_PROJECTED_KEPT) >= _PROJECTED_TEACHERS:
+            _PROJECTED_KEPT.pop(next(iter(_PROJECTED_KEPT)))
+        _PROJECTED_KEPT[key] = weight.float() @ projection_of(weight, rank).matrix
+    return _PROJECTED_KEPT[key]
+
+
 @functools.lru_cache(maxsize=8)
 def _loaded(path: str, device: str) -> torch.Tensor:
     return torch.load(path, map_location=device, weights_only=True)
