@@ -112,6 +112,15 @@ class HiddenForms:
     def compress(self, hidden: torch.Tensor, form: str) -> torch.Tensor:
         return compress(hidden, form, None if self.projection is None else self.projection.matrix)
 
+    def shrink(self, outcome: Any, request: Any) -> Any:
+        """An engine's outcome for `request` with its hidden states in the request's form (outcomes
+        that are not results, and results without hidden states, pass as they are): for an engine
+        whose hidden states reach it whole (vLLM-Omni's stage output)."""
+        hidden = getattr(outcome, "hidden_states", None)
+        if hidden is not None and request.hidden_form:
+            outcome.hidden_states = self.compress(hidden, request.hidden_form).to("cpu")
+        return outcome
+
     def projected_unembedding(self, weight: torch.Tensor) -> torch.Tensor:
         """W·P float32 [V, r], what a client rebuilds projected logits with."""
         if self.projection is None:
