@@ -113,7 +113,7 @@ def test_http_json_answers_carry_the_packed_rows(projected_server):
 
 def test_requests_of_several_forms_batched_together_each_get_their_own(projected_server, unembedding):
     """A GRPO-shaped group sent at once (one padded batch): each member in its own form."""
-    group = [IDS + [9, 10, 11], IDS + [9, 10, 12], IDS + [40, 41, 42]]
+    group = [[*IDS, 9, 10, 11], [*IDS, 9, 10, 12], [*IDS, 40, 41, 42]]
     forms = ["fp8", "", "projected"]
 
     async def run():
