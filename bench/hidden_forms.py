@@ -20,7 +20,8 @@ Part 1, per form, side by side in one run:
 
 Part 2, the trainer-side loss cost of `projected` at r = H/8 against the full form, on synthetic
 inputs at trainer scale (`--n`, `--v`; values do not change the cost): full_vocab_kl_reduced,
-forward + backward. Machine-independent figures: matrix-product FLOPs (torch's FlopCounterMode)
+forward + backward. Machine-independent figures: matrix-product FLOPs (`client.loss.work.MatmulWork`,
+counted at the dispatcher, in-place and out= products included)
 and the bytes of teacher inputs the trainer holds; CPU seconds (process time, min of `--reps`)
 beside them. Rows: a student as wide as the teacher, a teacher 8× wider than its student, and a
 student given as logits (the teacher's product is then the loss's only one).
@@ -222,13 +223,13 @@ def _run_loss(teacher_hidden, teacher_weight, student: dict, weights) -> float:
 
 
 def _cost(teacher_hidden, teacher_weight, student: dict, weights, reps: int) -> tuple[float, float, int]:
-    from torch.utils.flop_counter import FlopCounterMode
+    from proctor.client.loss.work import MatmulWork
 
-    with FlopCounterMode(display=False) as counter:
+    with MatmulWork() as counter:
         _run_loss(teacher_hidden, teacher_weight, student, weights)
     seconds = min(_run_loss(teacher_hidden, teacher_weight, student, weights) for _ in range(reps))
     held = teacher_hidden.numel() * teacher_hidden.element_size() + teacher_weight.numel() * teacher_weight.element_size()
-    return counter.get_total_flops(), seconds, held
+    return counter.flops, seconds, held
 
 
 def part_two(n: int, v: int, reps: int) -> None:
@@ -268,13 +269,15 @@ def main() -> int:
     parser.add_argument("--v", type=int, default=32768)
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--skip-cost", action="store_true")
+    parser.add_argument("--skip-forms", action="store_true", help="part 2 only (no training)")
     args = parser.parse_args()
     torch.manual_seed(0)
-    with tempfile.TemporaryDirectory(prefix="proctor-hidden-forms-") as tmp:
-        path, first, last = trained_teacher(Path(tmp) / "teacher", args.train_seconds)
-        print(f"trained the H={HIDDEN} tiny teacher for {args.train_seconds:.0f}s on generated text: "
-              f"train loss {first:.3f} -> {last:.3f}")
-        part_one(path, HIDDEN // 8, args.sequences, args.length)
+    if not args.skip_forms:
+        with tempfile.TemporaryDirectory(prefix="proctor-hidden-forms-") as tmp:
+            path, first, last = trained_teacher(Path(tmp) / "teacher", args.train_seconds)
+            print(f"trained the H={HIDDEN} tiny teacher for {args.train_seconds:.0f}s on generated text: "
+                  f"train loss {first:.3f} -> {last:.3f}")
+            part_one(path, HIDDEN // 8, args.sequences, args.length)
     if not args.skip_cost:
         part_two(args.n, args.v, args.reps)
     return 0
