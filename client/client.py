@@ -54,7 +54,7 @@ class TeacherScores:
     logprobs: torch.Tensor | None = None  # float32 [R]
     topk_ids: torch.Tensor | None = None  # int32 [R, K]
     topk_logprobs: torch.Tensor | None = None  # float32 [R, K]
-    hidden_states: torch.Tensor | None = None  # [R, H], the teacher's dtype
+    hidden_states: torch.Tensor | None = None  # [R, H], the teacher's dtype, or as `hidden_form` asked
     # float32 [R, K]: the teacher's full-vocabulary log-probs at the request's score_ids (-inf at padding)
     score_logprobs: torch.Tensor | None = None
 
