@@ -146,3 +146,22 @@ def test_a_packed_teacher_is_checked_at_its_logical_width():
     with pytest.raises(ValueError, match="hidden size 32 but teacher_weight has 31"):
         full_vocab_kl(hidden, case.teacher_weight[:, :31], student_hidden=case.student_hidden,
                       student_weight=case.student_weight)
+
+
+def test_packed_rows_batch_with_packed_rows_of_one_width_only():
+    """client.batch pads narrower teachers' rows at their end, which would move a packed row's
+    scale: packed rows batch with packed rows of one width, and come out as they went in."""
+    from proctor.client.batch import hidden_states_batch
+    from proctor.client.client import TeacherScores
+
+    def scores(teacher: str, hidden: torch.Tensor) -> TeacherScores:
+        return TeacherScores("r", teacher, "m", hidden.shape[0] + 1, 1, hidden_states=hidden)
+
+    g = torch.Generator().manual_seed(4)
+    a, b = hidden_forms.quantize_rows(torch.randn(5, 16, generator=g)), hidden_forms.quantize_rows(torch.randn(3, 16, generator=g))
+    packed, _ = hidden_states_batch([scores("t", a), scores("t", b)]).packed()
+    assert torch.equal(packed, torch.cat([a, b]))
+    with pytest.raises(ValueError, match="packed fp8 hidden rows"):
+        hidden_states_batch([scores("t", a), scores("u", hidden_forms.quantize_rows(torch.randn(2, 8, generator=g)))])
+    with pytest.raises(ValueError, match="packed fp8 hidden rows"):
+        hidden_states_batch([scores("t", a), scores("u", torch.randn(2, 16, generator=g))])
