@@ -5,6 +5,7 @@
 #   OMNI_MODEL=/models/Qwen3-Omni-30B-A3B-Instruct OMNI_PIPELINE=qwen3_omni_moe bench/gpu_check.sh
 #   bench/gpu_check.sh loss                 # the loss bench's GPU rows (forward KL, reverse KL, JSD)
 #   bench/gpu_check.sh multimodal           # the tiny omni Thinker with images, vLLM vs torch engines
+#   bench/gpu_check.sh hidden_forms         # every hidden-state wire form made in vLLM's pooler on the GPU
 #
 # Installs vllm (and vllm-omni when OMNI_MODEL is set) if missing, then scores the same sequences
 # with the torch engine and the vLLM engine and prints the largest differences of actual-token
@@ -42,6 +43,14 @@ if [ "${1:-}" = multimodal ]; then
   # The multimodal path on the accelerator: the tiny Qwen2.5-Omni Thinker (images in the prompt)
   # on the vLLM and torch engines, tokens/s image+text vs text and the engines' largest log-prob gap.
   "$PYTHON" bench/multimodal_bench.py --device "$DEVICE" --dtype "$DTYPE" --gpu-memory-utilization "$GPU_UTIL"
+  exit 0
+fi
+if [ "${1:-}" = hidden_forms ]; then
+  # Each hidden form (fp8 rows, projected, projected_fp8, ...) computed by the vLLM engine's pooler on
+  # the device, against the exact rows compressed on the CPU by the same rule (engines.hidden_forms):
+  # largest gap of the rebuilt rows, bytes per row. MODEL or a local H=256 model; rank H/8.
+  "$PYTHON" bench/hidden_forms_gpu.py --device "$DEVICE" --dtype "$DTYPE" --gpu-memory-utilization "$GPU_UTIL" \
+    ${MODEL:+--model "$MODEL"}
   exit 0
 fi
 if [ -n "${OMNI_MODEL:-}" ] && ! "$PYTHON" -c "import vllm_omni" 2>/dev/null; then

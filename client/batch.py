@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from proctor.client.client import TeacherScores
+from proctor.proto import hidden_forms
 
 
 @dataclass
@@ -64,6 +65,10 @@ def hidden_states_batch(scores: Sequence[TeacherScores]) -> HiddenStatesBatch:
             raise ValueError(f"teacher {score.teacher!r} sent hidden sizes {sizes[score.teacher]} and {size}")
         if score.teacher not in teachers:
             teachers.append(score.teacher)
+    packed = {hidden_forms.is_fp8_rows(s.hidden_states) for s in scores}
+    if True in packed and (len(packed) > 1 or len(set(sizes.values())) > 1):  # a row's scale sits at its end
+        raise ValueError("packed fp8 hidden rows batch only with packed rows of one width; dequantise them "
+                         "first (proctor.proto.hidden_forms.dequantize_rows)")
     h_max = max(sizes.values())
     dtype = scores[0].hidden_states.dtype
     rows, index = [], []

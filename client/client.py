@@ -54,7 +54,7 @@ class TeacherScores:
     logprobs: torch.Tensor | None = None  # float32 [R]
     topk_ids: torch.Tensor | None = None  # int32 [R, K]
     topk_logprobs: torch.Tensor | None = None  # float32 [R, K]
-    hidden_states: torch.Tensor | None = None  # [R, H], the teacher's dtype
+    hidden_states: torch.Tensor | None = None  # [R, H], the teacher's dtype, or as `hidden_form` asked
     # float32 [R, K]: the teacher's full-vocabulary log-probs at the request's score_ids (-inf at padding)
     score_logprobs: torch.Tensor | None = None
 
@@ -87,6 +87,11 @@ class TeacherInfo:
     batch_invariant: bool = False  # scores independent of batch, padding and replica
     max_drift: float | None = None  # the drift check's bound (None: replicas are not checked)
     drift: tuple[tuple[str, float], ...] = ()  # (replica_id, its latest drift) for replicas checked
+    # The hidden-state forms offered (`RequestFields.hidden_form`), the projection's rank r (0: none)
+    # and the share of the unembedding's energy it keeps.
+    hidden_forms: tuple[str, ...] = ()
+    projection_rank: int = 0
+    projection_energy: float | None = None
 
     @classmethod
     def from_wire(cls, info: scoring_pb2.TeacherInfo) -> TeacherInfo:
@@ -101,6 +106,8 @@ class TeacherInfo:
             batch_invariant=info.batch_invariant,
             max_drift=info.max_drift if info.HasField("max_drift") else None,
             drift=tuple((r.replica_id, r.drift) for r in info.replicas if r.HasField("drift")),
+            hidden_forms=tuple(info.hidden_forms), projection_rank=info.projection_rank,
+            projection_energy=info.projection_energy if info.HasField("projection_energy") else None,
         )
 
 
@@ -180,6 +187,9 @@ class RequestFields(TypedDict, total=False):
     ([R, K], -1 pads) asks for the teacher's log-probs at those ids; `temperature` divides the
     teacher's logits (None: 1); `request_id` defaults to a fresh uuid; `replica` pins the sequence
     to that replica of the teacher (a ListTeachers replica id), with no failover (`proctor verify`).
+    `hidden_form` (default "": the teacher's dtype, exact) is the form hidden states travel in
+    (`proctor.proto.hidden_forms`): "float32", "bfloat16", "fp8" (uint8 rows [R, H + 4]), "projected"
+    (float32 [R, r], with `unembedding(projected=True)`), "projected_fp8"; the losses take each as it is.
 
     A student with another tokenizer names one of the server's student tokenizers
     (`student_tokenizer`; then the ids and `prompt_length` are the student's) and gives the
@@ -204,6 +214,7 @@ class RequestFields(TypedDict, total=False):
     teacher_prompt_ids: Sequence[int] | torch.Tensor | None
     messages: Iterable[Mapping[str, str]] | None
     replica: str | None
+    hidden_form: str
 
 
 def score_ids_tensor(score_ids: ScoreIds, first_row: int) -> scoring_pb2.Tensor:
@@ -338,6 +349,7 @@ class TeacherClient:
             teacher_prompt_ids=_token_list(_given(fields.get("teacher_prompt_ids")), "teacher_prompt_ids"),
             messages=_messages(fields.get("messages")),
             replica=fields.get("replica") or "",
+            hidden_form=fields.get("hidden_form") or "",
         )
         prompt_length = fields.get("prompt_length")
         if prompt_length is not None:
@@ -455,25 +467,30 @@ class TeacherClient:
         except UnroutableKey as exc:
             raise make_error(exc.status, exc.message, field="teacher_key") from None
 
-    async def unembedding(self, teacher_key: str | None = None, *, timeout: float | None = None) -> torch.Tensor:
-        """The teacher's lm_head weight [V, H], fetched once and cached per fingerprint.
+    async def unembedding(
+        self, teacher_key: str | None = None, *, timeout: float | None = None, projected: bool = False
+    ) -> torch.Tensor:
+        """The teacher's lm_head weight [V, H] (`projected`: W·P [V, r], for the projected hidden
+        forms), fetched once and cached per fingerprint.
 
         Every chunk must carry the fingerprint ListTeachers gives for that teacher, and the
         shape must match its vocab and hidden sizes: a cached weight is never paired with
         hidden states from different teacher weights.
         """
         info = await self.teacher_for_key(teacher_key)
-        cache_key = (info.name, info.fingerprint)
+        cache_key = (info.name, info.fingerprint, projected)
         lock = self._unembedding_locks.setdefault(info.name, asyncio.Lock())
         async with lock:
             if cache_key in self._unembeddings:
                 return self._unembeddings[cache_key]
 
             async def attempt(transport: Transport, remaining: float | None) -> torch.Tensor:
-                return await assemble_unembedding(transport.unembedding(info.name, remaining), info)
+                chunks = transport.unembedding(info.name, remaining, projected=projected)
+                return await assemble_unembedding(chunks, info, info.projection_rank if projected else None)
 
             weight = await self._call(attempt, timeout, f"GetUnembedding {info.name}")
-            self._unembeddings = {k: v for k, v in self._unembeddings.items() if k[0] != info.name}
+            self._unembeddings = {k: v for k, v in self._unembeddings.items()
+                                  if k[0] != info.name or (k[1] == info.fingerprint and k[2] != projected)}
             self._unembeddings[cache_key] = weight
             return weight
 
@@ -518,7 +535,11 @@ def _place_rows(hidden: torch.Tensor | None, piece: torch.Tensor, first_row: int
     return hidden
 
 
-async def assemble_unembedding(chunks: AsyncIterator[scoring_pb2.TensorChunk], info: TeacherInfo) -> torch.Tensor:
+async def assemble_unembedding(
+    chunks: AsyncIterator[scoring_pb2.TensorChunk], info: TeacherInfo, rank: int | None = None
+) -> torch.Tensor:
+    """The streamed unembedding [V, H] (or W·P [V, rank]), its fingerprint and shape checked."""
+    width = info.hidden_size if rank is None else rank
     weight: torch.Tensor | None = None
     filled = 0
     last = False
@@ -530,11 +551,11 @@ async def assemble_unembedding(chunks: AsyncIterator[scoring_pb2.TensorChunk], i
                 f"is listed with {info.fingerprint!r}: the server changed weights; call teachers() again",
             )
         shape = tuple(int(d) for d in chunk.full_shape)
-        if shape != (info.vocab_size, info.hidden_size):
+        if shape != (info.vocab_size, width):
             raise UnembeddingMismatch(
                 "FAILED_PRECONDITION",
                 f"unembedding of teacher {info.name!r} has shape {shape}, expected "
-                f"({info.vocab_size}, {info.hidden_size})",
+                f"({info.vocab_size}, {width})",
             )
         piece = decode_tensor(chunk.tensor)
         if weight is None:

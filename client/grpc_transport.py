@@ -117,8 +117,8 @@ class GrpcTransport(Transport):
             self._stub.ListTeachers(scoring_pb2.TeachersRequest(), timeout=timeout, metadata=self._metadata)
         )
 
-    def unembedding(self, teacher_key, timeout) -> AsyncIterator[scoring_pb2.TensorChunk]:
-        request = scoring_pb2.UnembeddingRequest(teacher_key=teacher_key)
+    def unembedding(self, teacher_key, timeout, *, projected=False) -> AsyncIterator[scoring_pb2.TensorChunk]:
+        request = scoring_pb2.UnembeddingRequest(teacher_key=teacher_key, projected=projected)
         return self._stream(self._stub.GetUnembedding(request, timeout=timeout, metadata=self._metadata))
 
     async def close(self) -> None:

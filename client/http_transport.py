@@ -132,9 +132,10 @@ class HttpTransport(Transport):
         response = await self._send("GET", "/v1/teachers", timeout=timeout)
         return json_format.ParseDict(response.json(), scoring_pb2.TeachersResponse(), ignore_unknown_fields=True)
 
-    async def unembedding(self, teacher_key, timeout) -> AsyncIterator[scoring_pb2.TensorChunk]:
+    async def unembedding(self, teacher_key, timeout, *, projected=False) -> AsyncIterator[scoring_pb2.TensorChunk]:
+        params = {"teacher_key": teacher_key or "", **({"projected": "true"} if projected else {})}
         async for chunk in self._stream("GET", "/v1/unembedding", scoring_pb2.TensorChunk, timeout=timeout,
-                                        params={"teacher_key": teacher_key or ""}):
+                                        params=params):
             yield chunk
 
     async def close(self) -> None:

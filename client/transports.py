@@ -170,8 +170,10 @@ class Transport(abc.ABC):
         """The server's teacher catalogue."""
 
     @abc.abstractmethod
-    def unembedding(self, teacher_key: str, timeout: float | None) -> AsyncIterator[scoring_pb2.TensorChunk]:
-        """The teacher's lm_head weight in row chunks."""
+    def unembedding(
+        self, teacher_key: str, timeout: float | None, *, projected: bool = False
+    ) -> AsyncIterator[scoring_pb2.TensorChunk]:
+        """The teacher's lm_head weight in row chunks (`projected`: W·P)."""
 
     @abc.abstractmethod
     async def close(self) -> None:

@@ -24,6 +24,8 @@ DTYPES: dict[str, tuple[int, np.dtype, torch.dtype]] = {
     "float64": (scoring_pb2.FLOAT64, np.dtype("<f8"), torch.float64),
     "int32": (scoring_pb2.INT32, np.dtype("<i4"), torch.int32),
     "int64": (scoring_pb2.INT64, np.dtype("<i8"), torch.int64),
+    # Packed fp8 rows (`hidden_forms`): uint8 [R, D + 4], each row D e4m3 bytes and its float32 scale.
+    "float8_e4m3_rows": (scoring_pb2.FLOAT8_E4M3_ROWS, np.dtype("u1"), torch.uint8),
 }
 WIRE_DTYPES: dict[int, tuple[np.dtype, torch.dtype]] = {wire: (np_dt, t) for wire, np_dt, t in DTYPES.values()}
 _TORCH_TO_WIRE = {torch_dtype: wire for wire, _, torch_dtype in DTYPES.values()}

@@ -24,47 +24,47 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bproctor/proto/scoring.proto\x12\nproctor.v1\"Z\n\x06Tensor\x12 \n\x05\x64type\x18\x01 \x01(\x0e\x32\x11.proctor.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x11\n\tfirst_row\x18\x04 \x01(\x03\")\n\x05Media\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x12\n\nmedia_type\x18\x02 \x01(\t\"\x90\x04\n\x0cScoreRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0bteacher_key\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x1a\n\rprompt_length\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x10\n\x08logprobs\x18\x05 \x01(\x08\x12\x0c\n\x04topk\x18\x06 \x01(\x05\x12\x15\n\rhidden_states\x18\x07 \x01(\x08\x12!\n\x06images\x18\x08 \x03(\x0b\x32\x11.proctor.v1.Media\x12!\n\x06videos\x18\t \x03(\x0b\x32\x11.proctor.v1.Media\x12!\n\x06\x61udios\x18\n \x03(\x0b\x32\x11.proctor.v1.Media\x12\x1b\n\x13mm_processor_kwargs\x18\x0b \x01(\t\x12\x18\n\x0btemperature\x18\x0c \x01(\x01H\x01\x88\x01\x01\x12%\n\tscore_ids\x18\x14 \x01(\x0b\x32\x12.proctor.v1.Tensor\x12\x19\n\x11student_tokenizer\x18\x1e \x01(\t\x12\x1a\n\x12teacher_prompt_ids\x18\x1f \x03(\x05\x12,\n\x08messages\x18  \x03(\x0b\x32\x1a.proctor.v1.AlignedMessage\x12\x0f\n\x07replica\x18( \x01(\t\x12\x12\n\ncache_salt\x18\x32 \x01(\tB\x10\n\x0e_prompt_lengthB\x0e\n\x0c_temperature\"/\n\x0e\x41lignedMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xd7\x02\n\rAlignedScores\x12%\n\tchunk_ids\x18\x01 \x01(\x0b\x32\x12.proctor.v1.Tensor\x12*\n\x0e\x63hunk_logprobs\x18\x02 \x01(\x0b\x32\x12.proctor.v1.Tensor\x12$\n\x08topk_ids\x18\x03 \x01(\x0b\x32\x12.proctor.v1.Tensor\x12)\n\rtopk_logprobs\x18\x04 \x01(\x0b\x32\x12.proctor.v1.Tensor\x12)\n\runmapped_mass\x18\x05 \x01(\x0b\x32\x12.proctor.v1.Tensor\x12\"\n\x06\x63hunks\x18\x06 \x01(\x0b\x32\x12.proctor.v1.Tensor\x12\'\n\x0bteacher_ids\x18\x07 \x01(\x0b\x32\x12.proctor.v1.Tensor\x12*\n\x07teacher\x18\x08 \x01(\x0b\x32\x19.proctor.v1.ScoreResponse\"\xe4\x02\n\rScoreResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07teacher\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x12\n\nnum_tokens\x18\x04 \x01(\x05\x12\x11\n\tfirst_row\x18\x05 \x01(\x05\x12$\n\x08logprobs\x18\x06 \x01(\x0b\x32\x12.proctor.v1.Tensor\x12$\n\x08topk_ids\x18\x07 \x01(\x0b\x32\x12.proctor.v1.Tensor\x12)\n\rtopk_logprobs\x18\x08 \x01(\x0b\x32\x12.proctor.v1.Tensor\x12)\n\rhidden_states\x18\t \x01(\x0b\x32\x12.proctor.v1.Tensor\x12*\n\x0escore_logprobs\x18\x14 \x01(\x0b\x32\x12.proctor.v1.Tensor\x12*\n\x07\x61ligned\x18\x1e \x01(\x0b\x32\x19.proctor.v1.AlignedScores\"G\n\nScoreChunk\x12+\n\x08response\x18\x01 \x01(\x0b\x32\x19.proctor.v1.ScoreResponse\x12\x0c\n\x04last\x18\x02 \x01(\x08\"\x11\n\x0fTeachersRequest\"\x9d\x01\n\x0bReplicaInfo\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\'\n\x05state\x18\x02 \x01(\x0e\x32\x18.proctor.v1.ReplicaState\x12\x0f\n\x07\x64\x65vices\x18\x03 \x03(\t\x12\x0c\n\x04node\x18\x04 \x01(\t\x12\x12\n\x05\x64rift\x18\n \x01(\x01H\x00\x88\x01\x01\x12\x14\n\x0c\x64rift_checks\x18\x0b \x01(\x03\x42\x08\n\x06_drift\"\xc9\x03\n\x0bTeacherInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x05 \x01(\x05\x12\x15\n\rmax_model_len\x18\x06 \x01(\x05\x12\x10\n\x08max_topk\x18\x07 \x01(\x05\x12\x0f\n\x07outputs\x18\x08 \x03(\t\x12)\n\x08replicas\x18\t \x03(\x0b\x32\x17.proctor.v1.ReplicaInfo\x12\x0e\n\x06\x65ngine\x18\n \x01(\t\x12 \n\x05\x64type\x18\x0b \x01(\x0e\x32\x11.proctor.v1.DType\x12\x0c\n\x04keys\x18\x0c \x03(\t\x12\r\n\x05media\x18\r \x03(\t\x12\x18\n\x10score_ids_method\x18\x14 \x01(\t\x12;\n\x14\x61ligned_vocabularies\x18\x1e \x03(\x0b\x32\x1d.proctor.v1.AlignedVocabulary\x12\x15\n\rchat_template\x18\x1f \x01(\x08\x12\x17\n\x0f\x62\x61tch_invariant\x18( \x01(\x08\x12\x16\n\tmax_drift\x18) \x01(\x01H\x00\x88\x01\x01\x42\x0c\n\n_max_drift\"X\n\x11\x41lignedVocabulary\x12\x19\n\x11student_tokenizer\x18\x01 \x01(\t\x12\x15\n\rexact_matches\x18\x02 \x01(\x05\x12\x11\n\tidentical\x18\x03 \x01(\x08\"L\n\x14StudentTokenizerInfo\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\"{\n\x10TeachersResponse\x12)\n\x08teachers\x18\x01 \x03(\x0b\x32\x17.proctor.v1.TeacherInfo\x12<\n\x12student_tokenizers\x18\x02 \x03(\x0b\x32 .proctor.v1.StudentTokenizerInfo\")\n\x12UnembeddingRequest\x12\x13\n\x0bteacher_key\x18\x01 \x01(\t\"h\n\x0bTensorChunk\x12\"\n\x06tensor\x18\x01 \x01(\x0b\x32\x12.proctor.v1.Tensor\x12\x12\n\nfull_shape\x18\x02 \x03(\x03\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\x0c\n\x04last\x18\x04 \x01(\x08*i\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0c\n\x08\x42\x46LOAT16\x10\x02\x12\x0b\n\x07\x46LOAT16\x10\x03\x12\x0b\n\x07\x46LOAT64\x10\x04\x12\t\n\x05INT32\x10\x05\x12\t\n\x05INT64\x10\x06*t\n\x0cReplicaState\x12\x1d\n\x19REPLICA_STATE_UNSPECIFIED\x10\x00\x12\x0b\n\x07LOADING\x10\x01\x12\x0b\n\x07HEALTHY\x10\x02\x12\r\n\tUNHEALTHY\x10\x03\x12\x0e\n\nRESTARTING\x10\x04\x12\x0c\n\x08\x44\x45GRADED\x10\x05\x32\xa9\x02\n\x0eTeacherScoring\x12<\n\x05Score\x12\x18.proctor.v1.ScoreRequest\x1a\x19.proctor.v1.ScoreResponse\x12\x41\n\x0bScoreStream\x12\x18.proctor.v1.ScoreRequest\x1a\x16.proctor.v1.ScoreChunk0\x01\x12I\n\x0cListTeachers\x12\x1b.proctor.v1.TeachersRequest\x1a\x1c.proctor.v1.TeachersResponse\x12K\n\x0eGetUnembedding\x12\x1e.proctor.v1.UnembeddingRequest\x1a\x17.proctor.v1.TensorChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bproctor/proto/scoring.proto\x12\nproctor.v1\"Z\n\x06Tensor\x12 \n\x05\x64type\x18\x01 \x01(\x0e\x32\x11.proctor.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x11\n\tfirst_row\x18\x04 \x01(\x03\")\n\x05Media\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x12\n\nmedia_type\x18\x02 \x01(\t\"\xa5\x04\n\x0cScoreRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0bteacher_key\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x1a\n\rprompt_length\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x10\n\x08logprobs\x18\x05 \x01(\x08\x12\x0c\n\x04topk\x18\x06 \x01(\x05\x12\x15\n\rhidden_states\x18\x07 \x01(\x08\x12!\n\x06images\x18\x08 \x03(\x0b\x32\x11.proctor.v1.Media\x12!\n\x06videos\x18\t \x03(\x0b\x32\x11.proctor.v1.Media\x12!\n\x06\x61udios\x18\n \x03(\x0b\x32\x11.proctor.v1.Media\x12\x1b\n\x13mm_processor_kwargs\x18\x0b \x01(\t\x12\x18\n\x0btemperature\x18\x0c \x01(\x01H\x01\x88\x01\x01\x12\x13\n\x0bhidden_form\x18\r \x01(\t\x12%\n\tscore_ids\x18\x14 \x01(\x0b\x32\x12.proctor.v1.Tensor\x12\x19\n\x11student_tokenizer\x18\x1e \x01(\t\x12\x1a\n\x12teacher_prompt_ids\x18\x1f \x03(\x05\x12,\n\x08messages\x18  \x03(\x0b\x32\x1a.proctor.v1.AlignedMessage\x12\x0f\n\x07replica\x18( \x01(\t\x12\x12\n\ncache_salt\x18\x32 \x01(\tB\x10\n\x0e_prompt_lengthB\x0e\n\x0c_temperature\"/\n\x0e\x41lignedMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xd7\x02\n\rAlignedScores\x12%\n\tchunk_ids\x18\x01 \x01(\x0b\x32\x12.proctor.v1.Tensor\x12*\n\x0e\x63hunk_logprobs\x18\x02 \x01(\x0b\x32\x12.proctor.v1.Tensor\x12$\n\x08topk_ids\x18\x03 \x01(\x0b\x32\x12.proctor.v1.Tensor\x12)\n\rtopk_logprobs\x18\x04 \x01(\x0b\x32\x12.proctor.v1.Tensor\x12)\n\runmapped_mass\x18\x05 \x01(\x0b\x32\x12.proctor.v1.Tensor\x12\"\n\x06\x63hunks\x18\x06 \x01(\x0b\x32\x12.proctor.v1.Tensor\x12\'\n\x0bteacher_ids\x18\x07 \x01(\x0b\x32\x12.proctor.v1.Tensor\x12*\n\x07teacher\x18\x08 \x01(\x0b\x32\x19.proctor.v1.ScoreResponse\"\xe4\x02\n\rScoreResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07teacher\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x12\n\nnum_tokens\x18\x04 \x01(\x05\x12\x11\n\tfirst_row\x18\x05 \x01(\x05\x12$\n\x08logprobs\x18\x06 \x01(\x0b\x32\x12.proctor.v1.Tensor\x12$\n\x08topk_ids\x18\x07 \x01(\x0b\x32\x12.proctor.v1.Tensor\x12)\n\rtopk_logprobs\x18\x08 \x01(\x0b\x32\x12.proctor.v1.Tensor\x12)\n\rhidden_states\x18\t \x01(\x0b\x32\x12.proctor.v1.Tensor\x12*\n\x0escore_logprobs\x18\x14 \x01(\x0b\x32\x12.proctor.v1.Tensor\x12*\n\x07\x61ligned\x18\x1e \x01(\x0b\x32\x19.proctor.v1.AlignedScores\"G\n\nScoreChunk\x12+\n\x08response\x18\x01 \x01(\x0b\x32\x19.proctor.v1.ScoreResponse\x12\x0c\n\x04last\x18\x02 \x01(\x08\"\x11\n\x0fTeachersRequest\"\x9d\x01\n\x0bReplicaInfo\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\'\n\x05state\x18\x02 \x01(\x0e\x32\x18.proctor.v1.ReplicaState\x12\x0f\n\x07\x64\x65vices\x18\x03 \x03(\t\x12\x0c\n\x04node\x18\x04 \x01(\t\x12\x12\n\x05\x64rift\x18\n \x01(\x01H\x00\x88\x01\x01\x12\x14\n\x0c\x64rift_checks\x18\x0b \x01(\x03\x42\x08\n\x06_drift\"\xae\x04\n\x0bTeacherInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x05 \x01(\x05\x12\x15\n\rmax_model_len\x18\x06 \x01(\x05\x12\x10\n\x08max_topk\x18\x07 \x01(\x05\x12\x0f\n\x07outputs\x18\x08 \x03(\t\x12)\n\x08replicas\x18\t \x03(\x0b\x32\x17.proctor.v1.ReplicaInfo\x12\x0e\n\x06\x65ngine\x18\n \x01(\t\x12 \n\x05\x64type\x18\x0b \x01(\x0e\x32\x11.proctor.v1.DType\x12\x0c\n\x04keys\x18\x0c \x03(\t\x12\r\n\x05media\x18\r \x03(\t\x12\x18\n\x10score_ids_method\x18\x14 \x01(\t\x12;\n\x14\x61ligned_vocabularies\x18\x1e \x03(\x0b\x32\x1d.proctor.v1.AlignedVocabulary\x12\x15\n\rchat_template\x18\x1f \x01(\x08\x12\x17\n\x0f\x62\x61tch_invariant\x18( \x01(\x08\x12\x16\n\tmax_drift\x18) \x01(\x01H\x00\x88\x01\x01\x12\x14\n\x0chidden_forms\x18\x32 \x03(\t\x12\x17\n\x0fprojection_rank\x18\x33 \x01(\x05\x12\x1e\n\x11projection_energy\x18\x34 \x01(\x01H\x01\x88\x01\x01\x42\x0c\n\n_max_driftB\x14\n\x12_projection_energy\"X\n\x11\x41lignedVocabulary\x12\x19\n\x11student_tokenizer\x18\x01 \x01(\t\x12\x15\n\rexact_matches\x18\x02 \x01(\x05\x12\x11\n\tidentical\x18\x03 \x01(\x08\"L\n\x14StudentTokenizerInfo\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\"{\n\x10TeachersResponse\x12)\n\x08teachers\x18\x01 \x03(\x0b\x32\x17.proctor.v1.TeacherInfo\x12<\n\x12student_tokenizers\x18\x02 \x03(\x0b\x32 .proctor.v1.StudentTokenizerInfo\"<\n\x12UnembeddingRequest\x12\x13\n\x0bteacher_key\x18\x01 \x01(\t\x12\x11\n\tprojected\x18\x02 \x01(\x08\"h\n\x0bTensorChunk\x12\"\n\x06tensor\x18\x01 \x01(\x0b\x32\x12.proctor.v1.Tensor\x12\x12\n\nfull_shape\x18\x02 \x03(\x03\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\x0c\n\x04last\x18\x04 \x01(\x08*\x7f\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0c\n\x08\x42\x46LOAT16\x10\x02\x12\x0b\n\x07\x46LOAT16\x10\x03\x12\x0b\n\x07\x46LOAT64\x10\x04\x12\t\n\x05INT32\x10\x05\x12\t\n\x05INT64\x10\x06\x12\x14\n\x10\x46LOAT8_E4M3_ROWS\x10\x07*t\n\x0cReplicaState\x12\x1d\n\x19REPLICA_STATE_UNSPECIFIED\x10\x00\x12\x0b\n\x07LOADING\x10\x01\x12\x0b\n\x07HEALTHY\x10\x02\x12\r\n\tUNHEALTHY\x10\x03\x12\x0e\n\nRESTARTING\x10\x04\x12\x0c\n\x08\x44\x45GRADED\x10\x05\x32\xa9\x02\n\x0eTeacherScoring\x12<\n\x05Score\x12\x18.proctor.v1.ScoreRequest\x1a\x19.proctor.v1.ScoreResponse\x12\x41\n\x0bScoreStream\x12\x18.proctor.v1.ScoreRequest\x1a\x16.proctor.v1.ScoreChunk0\x01\x12I\n\x0cListTeachers\x12\x1b.proctor.v1.TeachersRequest\x1a\x1c.proctor.v1.TeachersResponse\x12K\n\x0eGetUnembedding\x12\x1e.proctor.v1.UnembeddingRequest\x1a\x17.proctor.v1.TensorChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proctor.proto.scoring_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=2617
-  _globals['_DTYPE']._serialized_end=2722
-  _globals['_REPLICASTATE']._serialized_start=2724
-  _globals['_REPLICASTATE']._serialized_end=2840
+  _globals['_DTYPE']._serialized_start=2758
+  _globals['_DTYPE']._serialized_end=2885
+  _globals['_REPLICASTATE']._serialized_start=2887
+  _globals['_REPLICASTATE']._serialized_end=3003
   _globals['_TENSOR']._serialized_start=43
   _globals['_TENSOR']._serialized_end=133
   _globals['_MEDIA']._serialized_start=135
   _globals['_MEDIA']._serialized_end=176
   _globals['_SCOREREQUEST']._serialized_start=179
-  _globals['_SCOREREQUEST']._serialized_end=707
-  _globals['_ALIGNEDMESSAGE']._serialized_start=709
-  _globals['_ALIGNEDMESSAGE']._serialized_end=756
-  _globals['_ALIGNEDSCORES']._serialized_start=759
-  _globals['_ALIGNEDSCORES']._serialized_end=1102
-  _globals['_SCORERESPONSE']._serialized_start=1105
-  _globals['_SCORERESPONSE']._serialized_end=1461
-  _globals['_SCORECHUNK']._serialized_start=1463
-  _globals['_SCORECHUNK']._serialized_end=1534
-  _globals['_TEACHERSREQUEST']._serialized_start=1536
-  _globals['_TEACHERSREQUEST']._serialized_end=1553
-  _globals['_REPLICAINFO']._serialized_start=1556
-  _globals['_REPLICAINFO']._serialized_end=1713
-  _globals['_TEACHERINFO']._serialized_start=1716
-  _globals['_TEACHERINFO']._serialized_end=2173
-  _globals['_ALIGNEDVOCABULARY']._serialized_start=2175
-  _globals['_ALIGNEDVOCABULARY']._serialized_end=2263
-  _globals['_STUDENTTOKENIZERINFO']._serialized_start=2265
-  _globals['_STUDENTTOKENIZERINFO']._serialized_end=2341
-  _globals['_TEACHERSRESPONSE']._serialized_start=2343
-  _globals['_TEACHERSRESPONSE']._serialized_end=2466
-  _globals['_UNEMBEDDINGREQUEST']._serialized_start=2468
-  _globals['_UNEMBEDDINGREQUEST']._serialized_end=2509
-  _globals['_TENSORCHUNK']._serialized_start=2511
-  _globals['_TENSORCHUNK']._serialized_end=2615
-  _globals['_TEACHERSCORING']._serialized_start=2843
-  _globals['_TEACHERSCORING']._serialized_end=3140
+  _globals['_SCOREREQUEST']._serialized_end=728
+  _globals['_ALIGNEDMESSAGE']._serialized_start=730
+  _globals['_ALIGNEDMESSAGE']._serialized_end=777
+  _globals['_ALIGNEDSCORES']._serialized_start=780
+  _globals['_ALIGNEDSCORES']._serialized_end=1123
+  _globals['_SCORERESPONSE']._serialized_start=1126
+  _globals['_SCORERESPONSE']._serialized_end=1482
+  _globals['_SCORECHUNK']._serialized_start=1484
+  _globals['_SCORECHUNK']._serialized_end=1555
+  _globals['_TEACHERSREQUEST']._serialized_start=1557
+  _globals['_TEACHERSREQUEST']._serialized_end=1574
+  _globals['_REPLICAINFO']._serialized_start=1577
+  _globals['_REPLICAINFO']._serialized_end=1734
+  _globals['_TEACHERINFO']._serialized_start=1737
+  _globals['_TEACHERINFO']._serialized_end=2295
+  _globals['_ALIGNEDVOCABULARY']._serialized_start=2297
+  _globals['_ALIGNEDVOCABULARY']._serialized_end=2385
+  _globals['_STUDENTTOKENIZERINFO']._serialized_start=2387
+  _globals['_STUDENTTOKENIZERINFO']._serialized_end=2463
+  _globals['_TEACHERSRESPONSE']._serialized_start=2465
+  _globals['_TEACHERSRESPONSE']._serialized_end=2588
+  _globals['_UNEMBEDDINGREQUEST']._serialized_start=2590
+  _globals['_UNEMBEDDINGREQUEST']._serialized_end=2650
+  _globals['_TENSORCHUNK']._serialized_start=2652
+  _globals['_TENSORCHUNK']._serialized_end=2756
+  _globals['_TEACHERSCORING']._serialized_start=3006
+  _globals['_TEACHERSCORING']._serialized_end=3303
 # @@protoc_insertion_point(module_scope)

@@ -16,6 +16,7 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FLOAT64: _ClassVar[DType]
     INT32: _ClassVar[DType]
     INT64: _ClassVar[DType]
+    FLOAT8_E4M3_ROWS: _ClassVar[DType]
 
 class ReplicaState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -32,6 +33,7 @@ FLOAT16: DType
 FLOAT64: DType
 INT32: DType
 INT64: DType
+FLOAT8_E4M3_ROWS: DType
 REPLICA_STATE_UNSPECIFIED: ReplicaState
 LOADING: ReplicaState
 HEALTHY: ReplicaState
@@ -60,7 +62,7 @@ class Media(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., media_type: _Optional[str] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("request_id", "teacher_key", "token_ids", "prompt_length", "logprobs", "topk", "hidden_states", "images", "videos", "audios", "mm_processor_kwargs", "temperature", "score_ids", "student_tokenizer", "teacher_prompt_ids", "messages", "replica", "cache_salt")
+    __slots__ = ("request_id", "teacher_key", "token_ids", "prompt_length", "logprobs", "topk", "hidden_states", "images", "videos", "audios", "mm_processor_kwargs", "temperature", "hidden_form", "score_ids", "student_tokenizer", "teacher_prompt_ids", "messages", "replica", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEACHER_KEY_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +75,7 @@ class ScoreRequest(_message.Message):
     AUDIOS_FIELD_NUMBER: _ClassVar[int]
     MM_PROCESSOR_KWARGS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_FORM_FIELD_NUMBER: _ClassVar[int]
     SCORE_IDS_FIELD_NUMBER: _ClassVar[int]
     STUDENT_TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     TEACHER_PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -91,13 +94,14 @@ class ScoreRequest(_message.Message):
     audios: _containers.RepeatedCompositeFieldContainer[Media]
     mm_processor_kwargs: str
     temperature: float
+    hidden_form: str
     score_ids: Tensor
     student_tokenizer: str
     teacher_prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     messages: _containers.RepeatedCompositeFieldContainer[AlignedMessage]
     replica: str
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., teacher_key: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., prompt_length: _Optional[int] = ..., logprobs: _Optional[bool] = ..., topk: _Optional[int] = ..., hidden_states: _Optional[bool] = ..., images: _Optional[_Iterable[_Union[Media, _Mapping]]] = ..., videos: _Optional[_Iterable[_Union[Media, _Mapping]]] = ..., audios: _Optional[_Iterable[_Union[Media, _Mapping]]] = ..., mm_processor_kwargs: _Optional[str] = ..., temperature: _Optional[float] = ..., score_ids: _Optional[_Union[Tensor, _Mapping]] = ..., student_tokenizer: _Optional[str] = ..., teacher_prompt_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[AlignedMessage, _Mapping]]] = ..., replica: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., teacher_key: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., prompt_length: _Optional[int] = ..., logprobs: _Optional[bool] = ..., topk: _Optional[int] = ..., hidden_states: _Optional[bool] = ..., images: _Optional[_Iterable[_Union[Media, _Mapping]]] = ..., videos: _Optional[_Iterable[_Union[Media, _Mapping]]] = ..., audios: _Optional[_Iterable[_Union[Media, _Mapping]]] = ..., mm_processor_kwargs: _Optional[str] = ..., temperature: _Optional[float] = ..., hidden_form: _Optional[str] = ..., score_ids: _Optional[_Union[Tensor, _Mapping]] = ..., student_tokenizer: _Optional[str] = ..., teacher_prompt_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[AlignedMessage, _Mapping]]] = ..., replica: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class AlignedMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -182,7 +186,7 @@ class ReplicaInfo(_message.Message):
     def __init__(self, replica_id: _Optional[str] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., devices: _Optional[_Iterable[str]] = ..., node: _Optional[str] = ..., drift: _Optional[float] = ..., drift_checks: _Optional[int] = ...) -> None: ...
 
 class TeacherInfo(_message.Message):
-    __slots__ = ("name", "model", "fingerprint", "vocab_size", "hidden_size", "max_model_len", "max_topk", "outputs", "replicas", "engine", "dtype", "keys", "media", "score_ids_method", "aligned_vocabularies", "chat_template", "batch_invariant", "max_drift")
+    __slots__ = ("name", "model", "fingerprint", "vocab_size", "hidden_size", "max_model_len", "max_topk", "outputs", "replicas", "engine", "dtype", "keys", "media", "score_ids_method", "aligned_vocabularies", "chat_template", "batch_invariant", "max_drift", "hidden_forms", "projection_rank", "projection_energy")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -201,6 +205,9 @@ class TeacherInfo(_message.Message):
     CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     BATCH_INVARIANT_FIELD_NUMBER: _ClassVar[int]
     MAX_DRIFT_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_FORMS_FIELD_NUMBER: _ClassVar[int]
+    PROJECTION_RANK_FIELD_NUMBER: _ClassVar[int]
+    PROJECTION_ENERGY_FIELD_NUMBER: _ClassVar[int]
     name: str
     model: str
     fingerprint: str
@@ -219,7 +226,10 @@ class TeacherInfo(_message.Message):
     chat_template: bool
     batch_invariant: bool
     max_drift: float
-    def __init__(self, name: _Optional[str] = ..., model: _Optional[str] = ..., fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_topk: _Optional[int] = ..., outputs: _Optional[_Iterable[str]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., engine: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., keys: _Optional[_Iterable[str]] = ..., media: _Optional[_Iterable[str]] = ..., score_ids_method: _Optional[str] = ..., aligned_vocabularies: _Optional[_Iterable[_Union[AlignedVocabulary, _Mapping]]] = ..., chat_template: _Optional[bool] = ..., batch_invariant: _Optional[bool] = ..., max_drift: _Optional[float] = ...) -> None: ...
+    hidden_forms: _containers.RepeatedScalarFieldContainer[str]
+    projection_rank: int
+    projection_energy: float
+    def __init__(self, name: _Optional[str] = ..., model: _Optional[str] = ..., fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_topk: _Optional[int] = ..., outputs: _Optional[_Iterable[str]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., engine: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., keys: _Optional[_Iterable[str]] = ..., media: _Optional[_Iterable[str]] = ..., score_ids_method: _Optional[str] = ..., aligned_vocabularies: _Optional[_Iterable[_Union[AlignedVocabulary, _Mapping]]] = ..., chat_template: _Optional[bool] = ..., batch_invariant: _Optional[bool] = ..., max_drift: _Optional[float] = ..., hidden_forms: _Optional[_Iterable[str]] = ..., projection_rank: _Optional[int] = ..., projection_energy: _Optional[float] = ...) -> None: ...
 
 class AlignedVocabulary(_message.Message):
     __slots__ = ("student_tokenizer", "exact_matches", "identical")
@@ -250,10 +260,12 @@ class TeachersResponse(_message.Message):
     def __init__(self, teachers: _Optional[_Iterable[_Union[TeacherInfo, _Mapping]]] = ..., student_tokenizers: _Optional[_Iterable[_Union[StudentTokenizerInfo, _Mapping]]] = ...) -> None: ...
 
 class UnembeddingRequest(_message.Message):
-    __slots__ = ("teacher_key",)
+    __slots__ = ("teacher_key", "projected")
     TEACHER_KEY_FIELD_NUMBER: _ClassVar[int]
+    PROJECTED_FIELD_NUMBER: _ClassVar[int]
     teacher_key: str
-    def __init__(self, teacher_key: _Optional[str] = ...) -> None: ...
+    projected: bool
+    def __init__(self, teacher_key: _Optional[str] = ..., projected: _Optional[bool] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("tensor", "full_shape", "fingerprint", "last")

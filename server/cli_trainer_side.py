@@ -12,6 +12,9 @@ from pathlib import Path
 
 import typer
 
+# The demo teacher's hidden-state projection for --hidden-form projected*: H/8 of the tiny teacher (H = 64).
+DEMO_PROJECTION_RANK = 8
+
 
 def verify(
     target: str = typer.Option(..., help="grpc://host:port or http://host:port of a running server."),
@@ -55,6 +58,8 @@ def demo(
                                 "prompts with an image and an audio clip)"),
     cross_tokenizer: bool = typer.Option(False, help="Distil a tiny student with another tokenizer (other merges "
                                          "and vocabulary) through aligned requests."),
+    hidden_form: str = typer.Option("", help="The teacher's hidden states' wire form for the full-vocabulary "
+                                    "losses: float32 | bfloat16 | fp8 | projected | projected_fp8 (empty: exact)."),
 ) -> None:
     """On-policy distillation on the CPU: a noisy student learns from the tiny teacher.
 
@@ -67,16 +72,17 @@ def demo(
     if cross_tokenizer:
         _cross_tokenizer_demo(steps=steps, loss=loss, transport=transport, out=out, seed=seed, teacher=teacher)
     loss = loss or "full_forward_kl"
-    problem = option_error(steps=steps, loss=loss, transport=transport, teacher=teacher)
+    problem = option_error(steps=steps, loss=loss, transport=transport, teacher=teacher, hidden_form=hidden_form)
     if problem:  # before a server is started for nothing
         typer.echo(f"proctor demo: {problem}", err=True)
         raise typer.Exit(2)
-    with tiny_teacher(kind=teacher) as (server, model_dir):
+    rank = DEMO_PROJECTION_RANK if hidden_form in ("projected", "projected_fp8") else 0
+    with tiny_teacher(kind=teacher, projection_rank=rank) as (server, model_dir):
         if teacher == "text":
             print_quickstart(server, model_dir)
         targets = {"grpc": f"grpc://{server.grpc_target}", "http": server.http_url}
         code = run_demo(targets, model_dir, steps=steps, loss=loss, transport=transport, out=out, seed=seed,
-                        teacher=teacher)
+                        teacher=teacher, hidden_form=hidden_form)
     raise typer.Exit(code)
 
 

@@ -26,17 +26,19 @@ SAMPLES = [
 
 
 @contextmanager
-def tiny_teacher(*, max_topk: int = 64, kind: str = "text",
-                 student_tokenizers: dict[str, str] | None = None) -> Iterator[tuple[ServerThread, Path]]:
+def tiny_teacher(*, max_topk: int = 64, kind: str = "text", student_tokenizers: dict[str, str] | None = None,
+                 projection_rank: int = 0) -> Iterator[tuple[ServerThread, Path]]:
     """The built-in tiny teacher (`kind` "omni": the tiny Qwen2.5-Omni Thinker) served on free
-    loopback ports while the block runs, knowing `student_tokenizers`: (server, model dir)."""
+    loopback ports while the block runs, knowing `student_tokenizers`, with a hidden-state
+    projection of `projection_rank` (0: none): (server, model dir)."""
     if kind == "omni":
         from proctor.server.tiny_multimodal import ensure_tiny_multimodal
 
         model = ensure_tiny_multimodal("omni-thinker")
     else:
         model = ensure_default_model()
-    spec = EngineSpec(name="torch", model_path=str(model), max_topk=max_topk)
+    spec = EngineSpec(name="torch", model_path=str(model), max_topk=max_topk,
+                      inference={"hidden_projection_rank": projection_rank} if projection_rank else {})
     options = ServerOptions(grpc_port=0, http_port=0, student_tokenizers=dict(student_tokenizers or {}))
     with ServerThread(single_teacher_router(spec, name="tiny"), options) as server:
         yield server, model

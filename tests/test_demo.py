@@ -32,6 +32,23 @@ def test_full_forward_kl_demo_halves_the_loss_and_writes_a_plot(tmp_path):
     assert "through HTTP: max |gRPC - HTTP| = 0.00e+00" in printed  # the quickstart part
 
 
+def test_fp8_hidden_states_demo_falls_like_the_exact_one(tmp_path):
+    """`--hidden-form fp8`: the teacher's hidden states travel as fp8 rows (over HTTP here, the
+    other transport) and the loss falls as the exact form's does (same seed, same student)."""
+    curves = {}
+    for form in ("", "fp8"):
+        out = tmp_path / (form or "exact")
+        result = CliRunner().invoke(app, ["demo", "--steps", "8", "--transport", "http", "--hidden-form", form,
+                                          "--out", str(out), "--seed", "0"])
+        assert result.exit_code == 0, result.output
+        curves[form] = [e["loss"] for e in json.loads((out / "loss_full_forward_kl.json").read_text())]
+    exact, fp8 = curves[""], curves["fp8"]
+    assert fp8[-1] < 0.5 * fp8[0], fp8
+    assert abs(fp8[-1] / fp8[0] - exact[-1] / exact[0]) < 0.05, (exact, fp8)
+    refused = CliRunner().invoke(app, ["demo", "--hidden-form", "fp4", "--out", str(tmp_path)])
+    assert refused.exit_code == 2 and "--hidden-form must be one of" in refused.output
+
+
 def test_student_topk_reverse_kl_demo_scores_the_students_support_and_the_loss_falls(tmp_path):
     result = CliRunner().invoke(app, ["demo", "--steps", "8", "--loss", "student_topk_reverse_kl", "--out",
                                       str(tmp_path)])

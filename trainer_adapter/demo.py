@@ -29,6 +29,7 @@ import torch
 from proctor.client import TeacherClient
 from proctor.client.batch import hidden_states_batch, packed_score_logprobs, student_topk_ids
 from proctor.client.loss import distillation_loss
+from proctor.proto import hidden_forms
 from proctor.trainer_adapter.plot import plot_losses
 from proctor.trainer_adapter.rollout import RolloutScorer, ScoredSample
 from proctor.trainer_adapter.student import TextStudent
@@ -43,6 +44,7 @@ LOSSES = {
     "full_jsd": "full_jsd",
     "student_topk_reverse_kl": "student_topk_reverse_kl",
 }
+FULL_VOCAB_MODES = ("nitrobrew", "nitrobrew_reverse_kl", "full_jsd")  # from teacher hidden states
 TRANSPORTS = ("grpc", "http")
 TEACHERS = ("text", "omni")  # the built-in tiny teacher, or the tiny Qwen2.5-Omni Thinker
 PROMPTS = [
@@ -69,6 +71,7 @@ class DemoSettings:
     topk: int = 32
     noise: float = 0.6
     lr: float = 3e-3
+    hidden_form: str = ""  # the teacher's hidden states' wire form (full-vocabulary losses); "": exact
 
 
 @dataclass
@@ -166,7 +169,8 @@ def _loss_inputs(mode: str, results: list[ScoredSample], student, teacher_weight
         inputs["teacher_topk_logprobs"] = torch.cat([s.scores.topk_logprobs for s in results])
         return inputs
     teacher_hidden, _ = hidden_states_batch([s.scores for s in results]).packed()
-    inputs["teacher_hidden"] = teacher_hidden.float()
+    # Packed fp8 rows go to the loss as they came (it dequantises them a chunk at a time).
+    inputs["teacher_hidden"] = teacher_hidden if hidden_forms.is_fp8_rows(teacher_hidden) else teacher_hidden.float()
     inputs["teacher_weight"] = teacher_weight
     return inputs
 
@@ -185,12 +189,13 @@ def train(target: str, student, settings: DemoSettings) -> list[StepLog]:
     progress = _Progress(settings.steps)
 
     async def run() -> None:
-        full_vocab = mode in ("nitrobrew", "nitrobrew_reverse_kl", "full_jsd")
+        full_vocab = mode in FULL_VOCAB_MODES
         async with TeacherClient(target, max_concurrency=16) as client:
             teacher_weight = None
             if full_vocab:
-                teacher_weight = await client.unembedding()
+                teacher_weight = await client.unembedding(projected=settings.hidden_form in hidden_forms.PROJECTED_FORMS)
             scorer = RolloutScorer(client, key_column=None, logprobs=True, hidden_states=full_vocab,
+                                   hidden_form=settings.hidden_form if full_vocab else "",
                                    topk=settings.topk if mode == "forward_kl_topk" else 0)
             for step in range(1, settings.steps + 1):
                 tokens_before = scorer.scored_tokens
@@ -218,7 +223,7 @@ def train(target: str, student, settings: DemoSettings) -> list[StepLog]:
     return logs
 
 
-def option_error(*, steps: int, loss: str, transport: str, teacher: str = "text") -> str | None:
+def option_error(*, steps: int, loss: str, transport: str, teacher: str = "text", hidden_form: str = "") -> str | None:
     """What is wrong with the demo's options, said as the command line would, or None.
 
     `proctor demo` asks before it starts a server; `run_demo` asks again for direct callers.
@@ -231,6 +236,10 @@ def option_error(*, steps: int, loss: str, transport: str, teacher: str = "text"
         return "--steps must be at least 1"
     if teacher not in TEACHERS:
         return f"--teacher must be one of {', '.join(TEACHERS)}, got {teacher!r}"
+    if hidden_form and hidden_form not in hidden_forms.FORMS:
+        return f"--hidden-form must be one of {', '.join(hidden_forms.FORMS)}, got {hidden_form!r}"
+    if hidden_form and LOSSES[loss] not in FULL_VOCAB_MODES:
+        return f"--hidden-form applies to the full-vocabulary losses, not {loss}"
     return None
 
 
@@ -239,7 +248,8 @@ def run_demo(targets: Mapping[str, str], model_dir: Path, *, steps: int = 30, lo
              **overrides) -> int:
     """Distil a noisy student from the teacher served at `targets[transport]` (grpc://… and
     http://… of one server), write the loss plot and log to `out`; the exit code."""
-    problem = option_error(steps=steps, loss=loss, transport=transport, teacher=teacher)
+    problem = option_error(steps=steps, loss=loss, transport=transport, teacher=teacher,
+                           hidden_form=overrides.get("hidden_form", ""))
     if problem:
         print(f"proctor demo: {problem}", file=sys.stderr)
         return 2
@@ -253,7 +263,8 @@ def run_demo(targets: Mapping[str, str], model_dir: Path, *, steps: int = 30, lo
         student = OmniStudent(model_dir, noise=settings.noise, seed=seed)
     else:
         student = TextStudent(model_dir, noise=settings.noise, seed=seed)
-    print(f"on-policy distillation of the {teacher} teacher: loss {loss} ({LOSSES[loss]}), transport {transport}, {steps} steps, "
+    form = f", hidden states as {settings.hidden_form}" if settings.hidden_form else ""
+    print(f"on-policy distillation of the {teacher} teacher: loss {loss} ({LOSSES[loss]}){form}, transport {transport}, {steps} steps, "
           f"{len(PROMPTS)} prompts x {settings.samples_per_prompt} samples x {settings.response_length} tokens, "
           f"sampled in {settings.groups} batches")
     started = time.monotonic()

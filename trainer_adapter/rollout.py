@@ -89,13 +89,14 @@ class RolloutScorer:
         logprobs: bool = True,
         topk: int = 0,
         hidden_states: bool = False,
+        hidden_form: str = "",
         response_rows_only: bool = True,
         max_in_flight: int | None = None,
     ) -> None:
         self.client = client
         self.key_column = key_column
         self.teacher_map = dict(teacher_map) if teacher_map is not None else None
-        self.options = {"logprobs": logprobs, "topk": topk, "hidden_states": hidden_states}
+        self.options = {"logprobs": logprobs, "topk": topk, "hidden_states": hidden_states, "hidden_form": hidden_form}
         self.response_rows_only = response_rows_only
         self.max_in_flight = max_in_flight or client.max_concurrency
         self._limit: asyncio.Semaphore | None = None

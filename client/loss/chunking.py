@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from proctor.proto import hidden_forms
+
 # A tile of 2^20 float32 elements is 4 MiB; a pass holds a few of them at once (measured: at
 # N=4096, V=32768 a 1024 x 1024 tile keeps the working set near 50 MiB on top of the gradients).
 DEFAULT_TILE_ELEMENTS = 1 << 20
@@ -178,7 +180,8 @@ class FusedSource:
 class _FusedRows(RowBlock):
     def __init__(self, src: FusedSource, t0: int, t1: int) -> None:
         self.src, self.t0, self.t1 = src, t0, t1
-        h = src.hidden[t0:t1].to(src.dtype)
+        # Packed fp8 rows (a compressed teacher, `proto.hidden_forms`) are dequantised a chunk at a time.
+        h = hidden_forms.rebuilt(src.hidden[t0:t1], src.dtype)
         # Scaling the [rows, H] hidden is cheaper than scaling each [rows, C] tile.
         self.h_scaled = h * src.inv_tau if src.inv_tau != 1.0 else h
 

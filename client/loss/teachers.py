@@ -12,13 +12,18 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from proctor.proto import hidden_forms
+
 from . import _checks
 
 
 def check_teachers(teacher_hidden: torch.Tensor, teacher_weight, teacher_index, vocab: int) -> list:
-    """Validate the teacher side; return the list of per-teacher weights."""
+    """Validate the teacher side; return the list of per-teacher weights. ``teacher_hidden`` may be
+    float, or packed fp8 rows (uint8 ``[N, H + 4]``, `proctor.proto.hidden_forms`: width H)."""
     _checks.require_2d("teacher_hidden", teacher_hidden)
-    _checks.require_float("teacher_hidden", teacher_hidden)
+    if not hidden_forms.is_fp8_rows(teacher_hidden):
+        _checks.require_float("teacher_hidden", teacher_hidden)
+    width = hidden_forms.width(teacher_hidden)
     weights = list(teacher_weight) if isinstance(teacher_weight, Sequence) else [teacher_weight]
     if teacher_index is None and len(weights) != 1:
         raise ValueError("teacher_index is required when teacher_weight lists several teachers")
@@ -32,14 +37,10 @@ def check_teachers(teacher_hidden: torch.Tensor, teacher_weight, teacher_index, 
         _checks.require_float(name, w)
         if w.shape[0] != vocab:
             raise ValueError(f"{name} has vocabulary {w.shape[0]} but the student has {vocab}")
-        if w.shape[1] > teacher_hidden.shape[1]:
-            raise ValueError(
-                f"{name} has hidden size {w.shape[1]} but teacher_hidden has only {teacher_hidden.shape[1]}"
-            )
-        if len(weights) == 1 and w.shape[1] != teacher_hidden.shape[1]:
-            raise ValueError(
-                f"teacher_hidden has hidden size {teacher_hidden.shape[1]} but teacher_weight has {w.shape[1]}"
-            )
+        if w.shape[1] > width:
+            raise ValueError(f"{name} has hidden size {w.shape[1]} but teacher_hidden has only {width}")
+        if len(weights) == 1 and w.shape[1] != width:
+            raise ValueError(f"teacher_hidden has hidden size {width} but teacher_weight has {w.shape[1]}")
     return weights
 
 
@@ -72,7 +73,8 @@ def by_teacher(
         if w is None:
             raise ValueError(f"teacher_index selects teacher {j}, whose teacher_weight is None")
         rows = (index == j).nonzero(as_tuple=True)[0]
-        th = t_hidden.index_select(0, rows)[:, : w.shape[1]]
+        th = t_hidden.index_select(0, rows)
+        th = (hidden_forms.dequantize_rows(th, dtype) if hidden_forms.is_fp8_rows(th) else th)[:, : w.shape[1]]
         if student_logits is not None:
             sub = (None, None, student_logits.index_select(0, rows))
         else:

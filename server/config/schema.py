@@ -94,6 +94,8 @@ class InferenceConfig(ConfigBlock):
     # lazily on first use for a vLLM teacher), and how long a replica may take to start.
     hidden_states: bool | None = None
     startup_timeout_s: float = Field(1800.0, gt=0)
+    # Rank r of the hidden-state projection (`engines/hidden_forms.py`; 0: no projected forms).
+    hidden_projection_rank: int = Field(0, ge=0)
     # Shared-prefix reuse (`proctor.server.prompt_reuse`): on for shared prefixes of at least min_tokens.
     prompt_reuse: bool = _REUSE.enabled
     prompt_reuse_min_tokens: int = Field(_REUSE.min_tokens, ge=1)

@@ -21,11 +21,8 @@ from typing import Any, Union
 
 import torch
 
-# Tokens an engine takes in one batch unless its settings say otherwise (vLLM's default
-# max_num_batched_tokens on GPUs; the torch engine pads a batch to its longest sequence).
+# Tokens an engine takes in one batch unless its settings say otherwise (vLLM's GPU default).
 DEFAULT_TOKEN_BUDGET = 8192
-
-
 ENGINE_NAMES = ("torch", "vllm", "vllm_omni")
 # Engines that spawn processes of their own, which must inherit the replica's environment:
 # always in a worker, whatever `inference.replica_worker` says.
@@ -89,6 +86,7 @@ class EngineRequest:
     # Divides the logits before the log-softmax (log-probs and top-k; hidden states unchanged).
     temperature: float = 1.0
     cache_salt: str = ""  # scopes prompt reuse (`ScoreRequest.cache_salt`): salts never share prefixes
+    hidden_form: str = ""  # the hidden states' wire form (`engines.hidden_forms`); "": the engine's dtype
 
     @property
     def num_tokens(self) -> int:
@@ -107,7 +105,7 @@ class EngineResult:
     logprobs: torch.Tensor | None = None  # float32 [R]
     topk_ids: torch.Tensor | None = None  # int32 [R, K]
     topk_logprobs: torch.Tensor | None = None  # float32 [R, K]
-    hidden_states: torch.Tensor | None = None  # [R, H], engine dtype
+    hidden_states: torch.Tensor | None = None  # [R, H], engine dtype, or the request's hidden_form
     # The actual token's rank in its row's distribution (1: the most likely), int64 [R], from
     # engines that know it, beside logprobs: what vLLM-shaped answers report as `rank`.
     ranks: torch.Tensor | None = None
@@ -143,6 +141,9 @@ class EngineInfo:
     # How score_ids are scored ("" when "score_ids" is not among the outputs); see TeacherInfo.
     score_ids_method: str = ""
     batch_invariant: bool = False  # scores independent of batch, padding, replica (`engines/invariance`)
+    hidden_forms: tuple[str, ...] = ()  # offered (`engines.hidden_forms`), and a projection's rank r
+    projection_rank: int = 0
+    projection_energy: float | None = None  # and the share of the unembedding's energy it keeps
 
     @property
     def max_sequence_tokens(self) -> int:
@@ -301,8 +302,7 @@ class TeacherEngine(abc.ABC):
         return DEFAULT_TOKEN_BUDGET
 
     def extra_load(self) -> int:
-        """Tokens of work the engine has beyond its replica's own requests (routing adds them
-        to the replica's load): a shared replica group's other teachers, say."""
+        """Tokens of work beyond the replica's own requests (a shared group's other teachers): routing adds them."""
         return 0
 
     async def start(self) -> None:  # noqa: B027  (optional hook)

@@ -32,11 +32,12 @@ class RowRecord:
     hidden: bool
     score_ids: torch.Tensor | None  # int64 [rows, K], -1 padding
     result: EngineResult | None = None
+    hidden_form: str = ""  # the form its hidden rows are in: only a request asking the same copies them
 
     @classmethod
     def asked_by(cls, request: EngineRequest) -> RowRecord:
         return cls(request.first_row, request.num_tokens, request.temperature, request.logprobs, request.topk,
-                   request.hidden_states, request.score_ids)
+                   request.hidden_states, request.score_ids, hidden_form=request.hidden_form)
 
     @property
     def nbytes(self) -> int:
@@ -55,7 +56,7 @@ class RowRecord:
         if first < self.first_row or end < first:
             return none
         if (request.logprobs and not self.logprobs) or request.topk > self.topk \
-                or (request.hidden_states and not self.hidden):
+                or (request.hidden_states and (not self.hidden or request.hidden_form != self.hidden_form)):
             return none
         scores = request.logprobs or request.topk or request.score_ids is not None
         if scores and request.temperature != self.temperature:

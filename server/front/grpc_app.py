@@ -136,7 +136,7 @@ class TeacherScoringServicer(scoring_pb2_grpc.TeacherScoringServicer):
 
     async def GetUnembedding(self, request, context) -> AsyncIterator[scoring_pb2.TensorChunk]:
         try:
-            weight, fingerprint = await self.service.unembedding(request.teacher_key)
+            weight, fingerprint = await self.service.unembedding(request.teacher_key, request.projected)
         except ScoringError as error:
             await _abort(context, error)
             return

@@ -272,6 +272,7 @@ class ScoreBody(WireModel):
     logprobs: bool | None = Field(True, description="the log-prob of each actual next token")
     topk: Int32 | None = Field(None, description="the teacher's top-k ids and log-probs per row")
     hidden_states: bool | None = Field(False, description="the last hidden state of each row")
+    hidden_form: str | None = Field(None, description="the hidden states' wire form (TeacherInfo.hidden_forms)")
     images: _Media = None
     videos: _Media = None
     audios: _Media = None
@@ -308,7 +309,7 @@ class ScoreBody(WireModel):
         """The wire message this body stands for."""
         request = scoring_pb2.ScoreRequest(
             request_id=self.request_id or "", teacher_key=self.teacher_key or "", logprobs=bool(self.logprobs),
-            topk=self.topk or 0, hidden_states=bool(self.hidden_states))
+            topk=self.topk or 0, hidden_states=bool(self.hidden_states), hidden_form=self.hidden_form or "")
         extend_ids(request, self.token_ids)
         if self.prompt_length is not None:
             request.prompt_length = self.prompt_length

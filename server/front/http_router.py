@@ -52,8 +52,8 @@ async def score_stream(request: Request) -> Response:
 
 
 @router.get("/v1/unembedding", summary="The teacher's lm_head [V, H] as length-delimited TensorChunk messages of whole rows")
-async def unembedding(request: Request, teacher_key: str = "") -> Response:
-    return await _serving(request).score.unembedding(teacher_key)
+async def unembedding(request: Request, teacher_key: str = "", projected: bool = False) -> Response:
+    return await _serving(request).score.unembedding(teacher_key, projected)
 
 
 @router.get("/v1/teachers", summary="The teachers this server scores with, and its student tokenizers")

@@ -96,10 +96,10 @@ class ScoreServing:
     def _stream(self, request: Request, scored: ScoredRequest) -> Response:
         return StreamingResponse((frame(chunk) for chunk in self.responses.chunks(scored)), media_type=STREAM_MEDIA_TYPE)
 
-    async def unembedding(self, teacher_key: str) -> Response:
-        """The teacher's lm_head [V, H] as length-delimited TensorChunks of whole rows."""
+    async def unembedding(self, teacher_key: str, projected: bool = False) -> Response:
+        """The teacher's lm_head [V, H] (`projected`: W·P [V, r]) as length-delimited TensorChunks of whole rows."""
         try:
-            weight, fingerprint = await self.service.unembedding(teacher_key)
+            weight, fingerprint = await self.service.unembedding(teacher_key, projected)
         except ScoringError as error:
             return error_response(error)
         chunks = self.responses.unembedding(weight, fingerprint)

@@ -24,7 +24,8 @@ import torch
 
 from proctor.proto import scoring_pb2, wire_dtype
 from proctor.server.engines.base import EngineResult
-from proctor.server.errors import NOT_READY_RETRY_S, Code, ScoringError
+from proctor.server.engines.hidden_forms import projected_unembedding
+from proctor.server.errors import NOT_READY_RETRY_S, Code, ScoringError, invalid
 from proctor.server.front.aligned_scoring import AlignedScoring
 from proctor.server.front.routing import ReplicaSet, Router
 from proctor.server.front.validation import ValidRequest, check_finite, decode, request_mode, validate
@@ -252,18 +253,27 @@ class ScoringService:
                     chat_template=self.aligned.chat_template(teacher_set.name),
                     batch_invariant=info.batch_invariant,
                     max_drift=drift.settings.max_drift if drift is not None else None,
+                    hidden_forms=list(info.hidden_forms), projection_rank=info.projection_rank,
+                    projection_energy=info.projection_energy,
                 )
             )
         return infos
 
-    async def unembedding(self, teacher_key: str) -> tuple[torch.Tensor, str]:
-        """The teacher's output embedding [V, H] and its fingerprint, fetched off the loop."""
+    async def unembedding(self, teacher_key: str, projected: bool = False) -> tuple[torch.Tensor, str]:
+        """The teacher's output embedding [V, H] (`projected`: W·P [V, r]) and its fingerprint, off the loop."""
         self.check_serving()
         teacher_set = self.router.route(teacher_key)
+        if projected and not teacher_set.info.projection_rank:
+            raise invalid("projected", f"teacher {teacher_set.name!r} has no hidden-state projection "
+                          "(inference.hidden_projection_rank)")
         replica = next((r for r in teacher_set.in_service() if r.engine is not None), None)
         if replica is None:
             raise ScoringError(Code.UNAVAILABLE, f"teacher {teacher_set.name!r} has no healthy replica",
                                retry_after=teacher_set.retry_hint())
-        return await replica.engine.fetch_unembedding(), teacher_set.info.fingerprint
+        weight = await replica.engine.fetch_unembedding()
+        if projected:  # P from the same weights by the engines' own rule (`engines.hidden_forms`)
+            weight = await asyncio.to_thread(projected_unembedding, weight, teacher_set.info.projection_rank,
+                                             teacher_set.info.fingerprint)
+        return weight, teacher_set.info.fingerprint
 
 

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from proctor.proto import scoring_pb2
+from proctor.proto.hidden_forms import row_bytes
 from proctor.server.engines.base import EngineInfo, EngineRequest, EngineResult, MediaItem, MultiModalInputs
 from proctor.server.errors import Code, ScoringError, invalid
 from proctor.server.front.bounded_json import loads_bounded
@@ -57,7 +58,7 @@ def validate(teacher_set: ReplicaSet, request: scoring_pb2.ScoreRequest, *, max_
     _check_outputs(request, info, teacher_set.name)
     score_ids = _score_ids(request, info, teacher_set.name, first_row, len(ids))
     if max_answer_bytes is not None and request.hidden_states:
-        size = (len(ids) - first_row) * info.hidden_size * 4
+        size = (len(ids) - first_row) * row_bytes(request.hidden_form, info.hidden_size, info.projection_rank, 4)
         if size > max_answer_bytes:
             raise invalid("hidden_states", f"about {size >> 20} MiB of hidden states do not fit one message; "
                           "stream them (gRPC ScoreStream, HTTP /v1/score/stream)")
@@ -73,6 +74,7 @@ def validate(teacher_set: ReplicaSet, request: scoring_pb2.ScoreRequest, *, max_
         media=media if media else None,
         score_ids=score_ids,
         cache_salt=request.cache_salt,
+        hidden_form=request.hidden_form,
     )
     return ValidRequest(teacher_set, engine_request, request_mode(request), _replica(request, teacher_set))
 
@@ -132,6 +134,10 @@ def _check_outputs(request: scoring_pb2.ScoreRequest, info: EngineInfo, teacher:
         raise invalid("logprobs", "nothing asked for: set logprobs, topk > 0, hidden_states or score_ids")
     if request.hidden_states and "hidden_states" not in info.outputs:
         raise invalid("hidden_states", f"teacher {teacher!r} does not serve hidden states")
+    if request.hidden_form and (request.hidden_form not in info.hidden_forms or not request.hidden_states):
+        raise invalid("hidden_form", f"{request.hidden_form!r} is not a form teacher {teacher!r} gives "
+                      f"(it offers: {', '.join(info.hidden_forms) or 'none'}; the projected ones need "
+                      "inference.hidden_projection_rank), or hidden_states is not asked")
 
 
 def _score_ids(

@@ -31,6 +31,7 @@ from proctor.server.engines.base import (
     serving_dtype,
     started_info,
 )
+from proctor.server.engines.hidden_forms import HiddenForms
 from proctor.server.engines.invariance import batch_invariant, invariant_spec
 from proctor.server.engines.logit_transforms import LogitTransforms, logit_transforms
 from proctor.server.engines.multimodal import check_counts
@@ -122,6 +123,7 @@ class TorchEngine(TeacherEngine):
         reusable = reuse.enabled and supports_prompt_cache(model) and reuse_works(model.get_decoder(), self._padded_pass)
         self._prefix = TorchPrefix(reuse) if reusable else None
         max_len = int(self._max_model_len or getattr(config, "max_position_embeddings", 4096))
+        self._forms = HiddenForms.start(self.spec.inference, model.get_output_embeddings().weight, path.name)
         self._info = EngineInfo(
             engine="torch",
             model=path.name,
@@ -136,6 +138,7 @@ class TorchEngine(TeacherEngine):
             score_ids_method="log_softmax",
             media=self._media.kinds if self._media is not None else (),
             batch_invariant=self._invariant,
+            **self._forms.info_fields(),
         )
         log.info("torch engine loaded %s on %s (%s)", path, device, dtype)
 
@@ -240,7 +243,7 @@ class TorchEngine(TeacherEngine):
             kept = [i for i, rows in enumerate(states) if not isinstance(rows, RequestRejected)]
             for i in kept:
                 if views[i].hidden_states:
-                    results[i].hidden_states = states[i].to("cpu").clone()
+                    results[i].hidden_states = self._forms.compress(states[i], views[i].hidden_form).to("cpu", copy=True)
             head = invariant.per_request(self._head_outputs) if self._invariant else self._head_outputs
             head(model, [views[i] for i in kept], [states[i] for i in kept], [results[i] for i in kept])
             if reuse is not None and self._prefix is not None:

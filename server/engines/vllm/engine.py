@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from proctor.proto.hidden_forms import PROJECTED_FORMS
 from proctor.server.engines.base import (
     EngineConfigError,
     EngineError,
@@ -132,6 +133,7 @@ class VllmEngine(VllmFamilyEngine):
 
     async def close(self) -> None:
         self._closed = True
+        self.forms.close()
         llm, self._llm = self._llm, None
         if llm is not None:
             await asyncio.to_thread(llm.shutdown)
@@ -167,6 +169,8 @@ class VllmEngine(VllmFamilyEngine):
             score_ids=score_ids,
             score_k=0 if request.score_ids is None else int(request.score_ids.shape[1]),
             keep_row=keep_row,
+            hidden_form=request.hidden_form,
+            projection=self.forms.projection_file() if request.hidden_form in PROJECTED_FORMS else "",
         )
 
     async def encode(self, request: EngineRequest, *, read_cache: bool, keep_row: int = 0) -> PooledScores:
@@ -230,7 +234,8 @@ class VllmEngine(VllmFamilyEngine):
         scores = score_rows(lambda h: h, row.logits[None], target, topk=request.topk,
                             temperatures=temperatures, score_ids=score_ids)
         pooled = PooledScores(index, 1, scores.logprobs, scores.ranks, scores.topk_ids, scores.topk_logprobs,
-                              scores.score_logprobs, row.hidden[None].to(self._dtype), None, None)
+                              scores.score_logprobs,
+                              self.forms.compress(row.hidden[None].to(self._dtype), request.hidden_form), None, None)
         result = EngineResult(first_row=index)
         _fill(result, request, pooled, self._dtype)
         return result
@@ -263,4 +268,5 @@ def _fill(result: EngineResult, request: EngineRequest, pooled: PooledScores, dt
     if request.score_ids is not None:
         result.score_logprobs = field("score_logprobs")
     if request.hidden_states:
-        result.hidden_states = field("hidden").to(dtype)
+        hidden = field("hidden")  # in the request's form, or the model's dtype
+        result.hidden_states = hidden if request.hidden_form else hidden.to(dtype)

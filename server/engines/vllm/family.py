@@ -40,6 +40,7 @@ from proctor.server.engines.checkpoint import (
     load_unembedding,
     model_facts,
 )
+from proctor.server.engines.hidden_forms import HiddenForms
 from proctor.server.engines.invariance import batch_invariant
 from proctor.server.engines.logit_transforms import logit_transforms
 from proctor.server.engines.multimodal import check_counts
@@ -82,6 +83,7 @@ class VllmFamilyEngine(TeacherEngine):
         self._info: EngineInfo | None = None
         self.score_ids_method = ""  # decided at start (`_choose_score_ids_method`)
         self._unembedding: torch.Tensor | None = None
+        self.forms = HiddenForms()  # the hidden-state forms, set at start (`engines.hidden_forms`)
         self._started = False
         self._closed = False
         self._running: dict[str, asyncio.Task] = {}
@@ -101,6 +103,8 @@ class VllmFamilyEngine(TeacherEngine):
         max_len = int(self.settings.get("max_model_len") or await self._engine_max_model_len())
         self._dtype = torch_dtype(serving_dtype(self.spec.dtype, facts.dtype))
         self.score_ids_method = self._choose_score_ids_method()
+        if self.serves_hidden_states:
+            self.forms = await asyncio.to_thread(HiddenForms.start, self.settings, self.unembedding, self.spec.model_path)
         self._info = EngineInfo(
             engine=self.engine_name,
             model=Path(self.spec.model_path).name,
@@ -116,6 +120,7 @@ class VllmFamilyEngine(TeacherEngine):
             temperature=self.temperature,
             score_ids_method=self.score_ids_method,
             batch_invariant=batch_invariant(self.settings),  # vLLM's own mode (`invariance`)
+            **(self.forms.info_fields() if self.serves_hidden_states else {}),
         )
 
     def _max_sequence(self, max_model_len: int) -> int:

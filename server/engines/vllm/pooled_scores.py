@@ -29,7 +29,7 @@ MAGIC = 0x50524F43  # "PROC"
 VERSION = 2
 # int64 fields: magic, version, first_row, n, scores, K, Ks, H, hidden dtype, kept row's V and H, positions
 _HEADER = 12
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.uint8)  # uint8: packed fp8 rows
 
 
 @dataclass(frozen=True)
@@ -46,18 +46,20 @@ class ScoreAsk:
     score_ids: bytes = b""  # int32 [rows, score_k], row-major, -1 padding
     score_k: int = 0
     keep_row: int = 0
+    hidden_form: str = ""  # the hidden states' wire form (`engines.hidden_forms`), made in the pooler
+    projection: str = ""  # the file of the teacher's projection P, for the projected forms
 
     def to_kwargs(self) -> dict[str, Any]:
         return {KEY: [self.first_row, self.scores, self.topk, self.temperature, self.hidden,
-                      self.score_ids, self.score_k, self.keep_row]}
+                      self.score_ids, self.score_k, self.keep_row, self.hidden_form, self.projection]}
 
     @classmethod
     def from_kwargs(cls, extra: dict[str, Any] | None) -> ScoreAsk:
         if not extra or KEY not in extra:
             raise ValueError("a scoring request needs PoolingParams.extra_kwargs['proctor'] (proctor's ask)")
-        first_row, scores, topk, temperature, hidden, score_ids, score_k, keep_row = extra[KEY]
+        first_row, scores, topk, temperature, hidden, score_ids, score_k, keep_row, form, projection = extra[KEY]
         return cls(int(first_row), bool(scores), int(topk), float(temperature), bool(hidden),
-                   bytes(score_ids), int(score_k), int(keep_row))
+                   bytes(score_ids), int(score_k), int(keep_row), str(form), str(projection))
 
     def score_ids_tensor(self, rows: int) -> torch.Tensor | None:
         """The score ids as int32 [rows, score_k] (None when none were asked)."""

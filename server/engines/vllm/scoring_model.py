@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from proctor.server.engines.hidden_forms import compress_with_file
 from proctor.server.engines.row_scores import RowScores, score_rows
 from proctor.server.engines.vllm.adapter import (
     SCORING_TASK,
@@ -157,7 +158,7 @@ class ScoringPooler(_Pooler):
                 offset += chunk.rows
         for chunk in chunks:
             if chunk.ask.hidden:
-                chunk.part["hidden"] = chunk.states.clone()
+                chunk.part["hidden"] = _hidden_part(chunk.ask, chunk.states)
             kept = chunk.ask.keep_row - 1 - chunk.first_position  # the kept row's position in the chunk
             if chunk.ask.keep_row and 0 <= kept < chunk.hidden.shape[0]:
                 row = chunk.hidden[kept : kept + 1]
@@ -226,3 +227,10 @@ def _packed(ask: ScoreAsk, parts: list[dict[str, Any]], device: torch.device) ->
                 score_logprobs=score, hidden=torch.cat(hidden) if hidden else None,
                 kept_logits=kept[0][0] if kept else None, kept_hidden=kept[0][1] if kept else None,
                 positions=sum(p["positions"] for p in parts), device=device)
+
+
+def _hidden_part(ask: ScoreAsk, states: torch.Tensor) -> torch.Tensor:
+    """A chunk's asked hidden states in the ask's wire form (`engines.hidden_forms`), made here on the
+    device, so only that form leaves it; a copy either way (the states are the step's buffer)."""
+    out = compress_with_file(states, ask.hidden_form, ask.projection)
+    return out.clone() if out.data_ptr() == states.data_ptr() else out

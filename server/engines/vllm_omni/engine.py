@@ -247,7 +247,7 @@ class VllmOmniEngine(VllmFamilyEngine):
             raise
         finally:
             self._engine_ids.pop(request.key, None)
-        result = read_result(request, final, self._media, self._dtype)
+        result = self.forms.shrink(read_result(request, final, self._media, self._dtype), request)
         if request.score_ids is not None and isinstance(result, EngineResult):
             result.score_logprobs = await asyncio.to_thread(self._score_ids_from_hidden, request, final)
         return result
