@@ -114,7 +114,6 @@ def serve(
         router, options = _config_router(plan, host=host, grpc_port=grpc_port, http_port=http_port)
     else:
         from proctor.server.config import single_teacher_router
-
         from proctor.server.engines.base import EngineConfigError
 
         try:  # a missing --model directory, a bad --inference value (the drift check's, say)
