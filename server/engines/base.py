@@ -89,6 +89,10 @@ class EngineRequest:
     key: str = field(default_factory=lambda: f"{_KEY_PREFIX}-{next(_KEYS)}")
     # Divides the logits before the log-softmax (log-probs and top-k; hidden states unchanged).
     temperature: float = 1.0
+    # The actual token's rank beside its log-prob (EngineResult.ranks): only vLLM-shaped answers
+    # (/v1/completions' `rank`) carry it, and it costs a pass over every row's vocabulary, so
+    # engines compute it only when asked (with `logprobs`).
+    ranks: bool = False
 
     @property
     def num_tokens(self) -> int:

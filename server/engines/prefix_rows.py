@@ -32,11 +32,12 @@ class RowRecord:
     hidden: bool
     score_ids: torch.Tensor | None  # int64 [rows, K], -1 padding
     result: EngineResult | None = None
+    ranks: bool = False
 
     @classmethod
     def asked_by(cls, request: EngineRequest) -> RowRecord:
         return cls(request.first_row, request.num_tokens, request.temperature, request.logprobs, request.topk,
-                   request.hidden_states, request.score_ids)
+                   request.hidden_states, request.score_ids, ranks=request.ranks)
 
     @property
     def nbytes(self) -> int:
@@ -54,7 +55,8 @@ class RowRecord:
         end = min(shared - 1, self.num_tokens - 1)
         if first < self.first_row or end < first:
             return none
-        if (request.logprobs and not self.logprobs) or request.topk > self.topk \
+        if (request.logprobs and not self.logprobs) or (request.logprobs and request.ranks and not self.ranks) \
+                or request.topk > self.topk \
                 or (request.hidden_states and not self.hidden):
             return none
         scores = request.logprobs or request.topk or request.score_ids is not None
@@ -78,7 +80,9 @@ class RowRecord:
         lo, hi = request.first_row - self.first_row, end - self.first_row + 1
         out = EngineResult(first_row=request.first_row)
         if request.logprobs:
-            out.logprobs, out.ranks = kept.logprobs[lo:hi], kept.ranks[lo:hi]
+            out.logprobs = kept.logprobs[lo:hi]
+            if request.ranks:
+                out.ranks = kept.ranks[lo:hi]
         if request.topk:
             out.topk_ids = kept.topk_ids[lo:hi, : request.topk]
             out.topk_logprobs = kept.topk_logprobs[lo:hi, : request.topk]

@@ -170,8 +170,9 @@ class ScoringService:
         return await self.score_teacher(request, timeout=timeout, unary=unary)
 
     async def score_teacher(self, request: scoring_pb2.ScoreRequest, *, timeout: float | None = None,
-                            unary: bool = True, mode: str | None = None) -> ScoredRequest:
-        """Score a request over the teacher's own ids (counted under `mode`, default its own)."""
+                            unary: bool = True, mode: str | None = None, ranks: bool = False) -> ScoredRequest:
+        """Score a request over the teacher's own ids (counted under `mode`, default its own);
+        `ranks`: the actual tokens' ranks too (vLLM-shaped answers carry them, gRPC's do not)."""
         started = time.monotonic()
         mode = mode or request_mode(request)
         teacher_name = "unknown"
@@ -179,7 +180,8 @@ class ScoringService:
             self._check_serving()
             teacher_set = self.router.route(request.teacher_key)
             teacher_name = teacher_set.name
-            valid = validate(teacher_set, request, max_answer_bytes=self.limits.max_answer_bytes if unary else None)
+            valid = validate(teacher_set, request, max_answer_bytes=self.limits.max_answer_bytes if unary else None,
+                             ranks=ranks)
             valid = await decode(valid, self.limits.media)
             tokens = valid.request.num_tokens
             admission = self._admit(valid.teacher_set, tokens)

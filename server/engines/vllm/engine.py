@@ -161,6 +161,7 @@ class VllmEngine(VllmFamilyEngine):
             score_ids=score_ids,
             score_k=0 if request.score_ids is None else int(request.score_ids.shape[1]),
             keep_row=keep_row,
+            ranks=bool(request.logprobs and request.ranks),
         )
 
     async def encode(self, request: EngineRequest, *, read_cache: bool, keep_row: int = 0) -> PooledScores:
@@ -221,7 +222,7 @@ class VllmEngine(VllmFamilyEngine):
         offset = index - request.first_row
         score_ids = None if request.score_ids is None else request.score_ids[offset : offset + 1]
         scores = score_rows(lambda h: h, row.logits[None], target, topk=request.topk,
-                            temperatures=temperatures, score_ids=score_ids)
+                            temperatures=temperatures, score_ids=score_ids, ranks=request.ranks)
         pooled = PooledScores(index, 1, scores.logprobs, scores.ranks, scores.topk_ids, scores.topk_logprobs,
                               scores.score_logprobs, row.hidden[None].to(self._dtype), None, None)
         result = EngineResult(first_row=index)
@@ -247,7 +248,9 @@ def _fill(result: EngineResult, request: EngineRequest, pooled: PooledScores, dt
         return value.clone()
 
     if request.logprobs:
-        result.logprobs, result.ranks = field("logprobs"), field("ranks").to(torch.int64)
+        result.logprobs = field("logprobs")
+        if request.ranks:
+            result.ranks = field("ranks").to(torch.int64)
     if request.topk:
         result.topk_ids, result.topk_logprobs = field("topk_ids"), field("topk_logprobs")
     if request.score_ids is not None:
