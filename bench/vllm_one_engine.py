@@ -11,7 +11,12 @@ Starts both servers on loopback (`proctor serve --engine vllm`, all outputs on; 
   prompt_logprobs=64, stock /v1/completions with prompt_logprobs=64 (what a TRL user runs), and
   stock's bare prefill (max_tokens=1, no prompt log-probs); scored tokens/s and ratios;
 - score_ids: K=64 (the student's top-64) vs top-64 through proctor's gRPC, alternated;
-- the first hidden-states request after /health/ready (its latency, against a 10 s deadline).
+- the first hidden-states request after /health/ready (its latency, against a 10 s deadline);
+- the gap between gRPC top-64 and stock's bare prefill, split: the row math that a bare prefill
+  never does (the teacher's lm_head, log-softmax and top-64 over every scored row: stock computes
+  logits for each sequence's last position only), timed here on the same number of rows with the
+  teacher's own head in float32 on as many threads as the engine's worker, and the rest (proctor's
+  own: front, replica worker, the pooler's bookkeeping, packing, the wire).
 
     .venv/bin/python bench/vllm_one_engine.py [--seqs 48 --length 480 --rounds 3] [--wide]
 """
@@ -112,12 +117,36 @@ async def grpc_phase(client: TeacherClient, seqs: list[list[int]], **kwargs) -> 
     return time.perf_counter() - started
 
 
+def row_math_seconds(model: Path, rows: int, *, repeat: int = 5) -> float:
+    """Best seconds of the row work a scoring prefill adds to a bare one, on `rows` rows: the
+    teacher's own output head (transformers' model of the checkpoint), then `row_scores.score_rows`
+    (log-softmax, top-64, the actual token's log-prob; no ranks: gRPC answers carry none), as the
+    pooler runs it, in its row chunks. Hidden states are random: the cost does not depend on them."""
+    from transformers import AutoModelForCausalLM
+
+    from proctor.server.engines.row_scores import score_rows
+
+    head = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).get_output_embeddings()
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(rows, head.in_features, generator=generator)
+    targets = torch.randint(0, head.out_features, (rows,), generator=generator)
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(repeat + 1):  # the first one warms up
+            started = time.perf_counter()
+            score_rows(head, hidden, targets, topk=K, ranks=False)
+            best = min(best, time.perf_counter() - started)
+    return best
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seqs", type=int, default=48)
     parser.add_argument("--length", type=int, default=480)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.1)
+    parser.add_argument("--engine-threads", type=int, default=torch.get_num_threads(),
+                        help="threads the row math is timed on (default: torch's, one a core, as vLLM's CPU worker)")
     parser.add_argument("--wide", action="store_true",
                         help="a 4-layer, 256-wide teacher (default: the 2-layer, 64-wide tiny one)")
     args = parser.parse_args()
@@ -201,6 +230,18 @@ async def report(args, seqs, proctor: SubprocessServer, stock: StockServer, clie
     print(f"\nscore_ids K=64 vs top-64 (proctor gRPC, rows from L/2): {ids_vs_topk['score_ids K=64']:.2f}s vs "
           f"{ids_vs_topk['top-64']:.2f}s = {ratio:.2f}x")
     print(f"first hidden-states request after /health/ready: {first_hidden:.2f}s (client deadline 10 s)")
+    rows = sum(len(s) - 1 for s in seqs)  # gRPC top-64 scores rows 1..T-1 of every sequence
+    torch.set_num_threads(args.engine_threads)
+    math = row_math_seconds(Path(model), rows)
+    grpc_s, bare_s = best["proctor gRPC top-64"], best["stock bare prefill (max_tokens=1)"]
+    gap = grpc_s - bare_s
+    print(f"\ngRPC top-64 {grpc_s:.3f}s vs stock bare prefill {bare_s:.3f}s: {bare_s / grpc_s:.2f}x, gap {gap:.3f}s")
+    print(f"  row math bare prefill never does (lm_head + log-softmax + top-{K} over {rows} rows, float32, "
+          f"{args.engine_threads} threads): {math:.3f}s = {math / grpc_s:.0%} of gRPC's time"
+          + (f", {math / gap:.0%} of the gap" if gap > 0 else ""))
+    print(f"  the rest, proctor's own (front, replica worker, pooler bookkeeping, packing, wire): {gap - math:.3f}s"
+          f" = {(gap - math) / grpc_s:.0%} of gRPC's time; without the row math gRPC would be "
+          f"{bare_s / (grpc_s - math):.2f}x bare prefill")
 
 
 if __name__ == "__main__":

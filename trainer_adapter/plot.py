@@ -12,8 +12,10 @@ import zlib
 from pathlib import Path
 
 
-def plot_losses(path: Path, losses: list[float], lows: list[float], highs: list[float], title: str) -> str:
-    """Write the curve to `path`; returns which writer drew it ("matplotlib" or "builtin")."""
+def plot_losses(path: Path, losses: list[float], lows: list[float], highs: list[float], title: str, *,
+                unit: str = "nats per token") -> str:
+    """Write the curve to `path`, its y axis in `unit`; returns which writer drew it
+    ("matplotlib" or "builtin": the fallback draws no text)."""
     try:
         import matplotlib
 
@@ -27,7 +29,7 @@ def plot_losses(path: Path, losses: list[float], lows: list[float], highs: list[
     ax.fill_between(steps, lows, highs, alpha=0.2, label="per-token min..max")
     ax.plot(steps, losses, marker="o", markersize=3, label="distillation/loss (token mean)")
     ax.set_xlabel("step")
-    ax.set_ylabel("loss")
+    ax.set_ylabel(f"loss ({unit})")
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
