@@ -117,11 +117,12 @@ async def grpc_phase(client: TeacherClient, seqs: list[list[int]], **kwargs) -> 
     return time.perf_counter() - started
 
 
-def row_math_seconds(model: Path, rows: int, *, repeat: int = 5) -> float:
+def row_math_seconds(model: Path, rows: int, *, repeat: int = 5, ranks: bool = False) -> float:
     """Best seconds of the row work a scoring prefill adds to a bare one, on `rows` rows: the
     teacher's own output head (transformers' model of the checkpoint), then `row_scores.score_rows`
-    (log-softmax, top-64, the actual token's log-prob; no ranks: gRPC answers carry none), as the
-    pooler runs it, in its row chunks. Hidden states are random: the cost does not depend on them."""
+    (log-softmax, top-64, the actual token's log-prob; `ranks`: the actual token's rank too, which
+    gRPC answers do not carry and the pooler no longer computes for them), as the pooler runs it,
+    in its row chunks. Hidden states are random: the cost does not depend on them."""
     from transformers import AutoModelForCausalLM
 
     from proctor.server.engines.row_scores import score_rows
@@ -134,7 +135,7 @@ def row_math_seconds(model: Path, rows: int, *, repeat: int = 5) -> float:
     with torch.inference_mode():
         for _ in range(repeat + 1):  # the first one warms up
             started = time.perf_counter()
-            score_rows(head, hidden, targets, topk=K, ranks=False)
+            score_rows(head, hidden, targets, topk=K, ranks=ranks)
             best = min(best, time.perf_counter() - started)
     return best
 
@@ -242,6 +243,9 @@ async def report(args, seqs, proctor: SubprocessServer, stock: StockServer, clie
     print(f"  the rest, proctor's own (front, replica worker, pooler bookkeeping, packing, wire): {gap - math:.3f}s"
           f" = {(gap - math) / grpc_s:.0%} of gRPC's time; without the row math gRPC would be "
           f"{bare_s / (grpc_s - math):.2f}x bare prefill")
+    ranked = row_math_seconds(Path(model), rows, ranks=True)
+    print(f"  the same row math with every row's rank (what the pooler computed for gRPC before): {ranked:.3f}s, "
+          f"ranks {ranked - math:.3f}s = {(ranked - math) / ranked:.0%} of it")
 
 
 if __name__ == "__main__":
