@@ -21,6 +21,7 @@ def plot_losses(path: Path, losses: list[float], lows: list[float], highs: list[
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
     except ImportError:
         _write_png(path, *_raster(losses, lows, highs))
         return "builtin"
@@ -29,6 +30,7 @@ def plot_losses(path: Path, losses: list[float], lows: list[float], highs: list[
     ax.fill_between(steps, lows, highs, alpha=0.2, label="per-token min..max")
     ax.plot(steps, losses, marker="o", markersize=3, label="distillation/loss (token mean)")
     ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole: no 1.5
     ax.set_ylabel(f"loss ({unit})")
     ax.set_title(title)
     ax.grid(alpha=0.3)
