@@ -89,10 +89,7 @@ class EngineRequest:
     key: str = field(default_factory=lambda: f"{_KEY_PREFIX}-{next(_KEYS)}")
     # Divides the logits before the log-softmax (log-probs and top-k; hidden states unchanged).
     temperature: float = 1.0
-    # The actual token's rank beside its log-prob (EngineResult.ranks): only vLLM-shaped answers
-    # (/v1/completions' `rank`) carry it, and it costs a pass over every row's vocabulary, so
-    # engines compute it only when asked (with `logprobs`).
-    ranks: bool = False
+    ranks: bool = False  # the actual tokens' ranks too: only /v1/completions answers them (a pass over V)
 
     @property
     def num_tokens(self) -> int:
@@ -112,8 +109,7 @@ class EngineResult:
     topk_ids: torch.Tensor | None = None  # int32 [R, K]
     topk_logprobs: torch.Tensor | None = None  # float32 [R, K]
     hidden_states: torch.Tensor | None = None  # [R, H], engine dtype
-    # The actual token's rank in its row's distribution (1: the most likely), int64 [R], from
-    # engines that know it, beside logprobs: what vLLM-shaped answers report as `rank`.
+    # The actual token's rank in its row (1: the most likely), int64 [R], when the request asked it.
     ranks: torch.Tensor | None = None
     score_logprobs: torch.Tensor | None = None  # float32 [R, K], -inf at padded score_ids
     # Prefix tokens not recomputed, shared with an earlier request (0: computed whole; None: reuse
