@@ -127,6 +127,20 @@ class _Progress:
             self._bar.close()
 
 
+def quiet_bars_in_logs() -> None:
+    """When stderr is not a terminal (a log), no progress bars: transformers' weight-loading bars
+    (here, and, through the environment, in the teacher's replica workers started afterwards)
+    would write their redraws between the demo's lines. Bars stay on a terminal."""
+    if sys.stderr.isatty():
+        return
+    import os
+
+    from transformers.utils import logging as transformers_logging
+
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # read by transformers at import
+    transformers_logging.disable_progress_bar()
+
+
 def _student_topk(student, rollouts, k: int) -> list[torch.Tensor]:
     """The student's top-k per response row of each rollout (what it put its mass on), the
     score_ids that `student_topk_reverse_kl` needs the teacher to score."""
@@ -260,6 +274,7 @@ def run_demo(targets: Mapping[str, str], model_dir: Path, *, steps: int = 30, lo
         print(f"proctor demo: {problem}", file=sys.stderr)
         return 2
     settings = DemoSettings(steps=steps, loss=loss, transport=transport, seed=seed, **overrides)
+    quiet_bars_in_logs()
     torch.manual_seed(seed)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
