@@ -140,7 +140,7 @@ def row_math_seconds(model: Path, rows: int, *, repeat: int = 5, ranks: bool = F
 
     from proctor.server.engines.row_scores import score_rows
 
-    head = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).get_output_embeddings()
+    head = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).get_output_embeddings()
     generator = torch.Generator().manual_seed(0)
     hidden = torch.randn(rows, head.in_features, generator=generator)
     targets = torch.randint(0, head.out_features, (rows,), generator=generator)
