@@ -11,7 +11,12 @@ Starts both servers on loopback (`proctor serve --engine vllm`, all outputs on; 
   prompt_logprobs=64, stock /v1/completions with prompt_logprobs=64 (what a TRL user runs), and
   stock's bare prefill (max_tokens=1, no prompt log-probs); scored tokens/s and ratios;
 - score_ids: K=64 (the student's top-64) vs top-64 through proctor's gRPC, alternated;
-- the first hidden-states request after /health/ready (its latency, against a 10 s deadline).
+- the first hidden-states request after /health/ready (its latency, against a 10 s deadline);
+- the gap between gRPC top-64 and stock's bare prefill, split: the row math that a bare prefill
+  never does (the teacher's lm_head, log-softmax and top-64 over every scored row: stock computes
+  logits for each sequence's last position only), timed here on the same number of rows with the
+  teacher's own head in float32 on as many threads as the engine's worker, and the rest (proctor's
+  own: front, replica worker, the pooler's bookkeeping, packing, the wire).
 
     .venv/bin/python bench/vllm_one_engine.py [--seqs 48 --length 480 --rounds 3] [--wide]
 """
@@ -112,12 +117,50 @@ async def grpc_phase(client: TeacherClient, seqs: list[list[int]], **kwargs) -> 
     return time.perf_counter() - started
 
 
+def tree_cpu(pid: int) -> float:
+    """CPU seconds (user + system) so far of a process and everything below it."""
+    root = psutil.Process(pid)
+    total = 0.0
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            times = proc.cpu_times()
+        except psutil.Error:
+            continue
+        total += times.user + times.system
+    return total
+
+
+def row_math_seconds(model: Path, rows: int, *, repeat: int = 5, ranks: bool = False) -> float:
+    """Least CPU seconds (this process's, every thread) of the row work a scoring prefill adds to a bare one, on `rows` rows: the
+    teacher's own output head (transformers' model of the checkpoint), then `row_scores.score_rows`
+    (log-softmax, top-64, the actual token's log-prob; `ranks`: the actual token's rank too, which
+    gRPC answers do not carry and the pooler no longer computes for them), as the pooler runs it,
+    in its row chunks. Hidden states are random: the cost does not depend on them."""
+    from transformers import AutoModelForCausalLM
+
+    from proctor.server.engines.row_scores import score_rows
+
+    head = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).get_output_embeddings()
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(rows, head.in_features, generator=generator)
+    targets = torch.randint(0, head.out_features, (rows,), generator=generator)
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(repeat + 1):  # the first one warms up
+            started = time.process_time()
+            score_rows(head, hidden, targets, topk=K, ranks=ranks)
+            best = min(best, time.process_time() - started)
+    return best
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seqs", type=int, default=48)
     parser.add_argument("--length", type=int, default=480)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.1)
+    parser.add_argument("--engine-threads", type=int, default=1,
+                        help="threads the row math runs on (1: its CPU seconds are its work, no thread waiting on another)")
     parser.add_argument("--wide", action="store_true",
                         help="a 4-layer, 256-wide teacher (default: the 2-layer, 64-wide tiny one)")
     args = parser.parse_args()
@@ -167,9 +210,13 @@ async def report(args, seqs, proctor: SubprocessServer, stock: StockServer, clie
         await run()
     pss = {"proctor": tree_pss(proctor.proc.pid), "stock": tree_pss(stock.proc.pid)}
     best = {name: float("inf") for name in phases}
+    cpu: dict[str, list[float]] = {name: [] for name in phases}  # the serving tree's CPU seconds per round
     for _ in range(args.rounds):
         for name, run in phases.items():
+            pid = (proctor if name.startswith("proctor") else stock).proc.pid
+            before = tree_cpu(pid)
             best[name] = min(best[name], await run())
+            cpu[name].append(tree_cpu(pid) - before)
     generator = torch.Generator().manual_seed(0)
     prompt = args.length // 2
     student_topk = [torch.randint(0, 500, (len(ids) - prompt, K), generator=generator, dtype=torch.int32)
@@ -201,6 +248,28 @@ async def report(args, seqs, proctor: SubprocessServer, stock: StockServer, clie
     print(f"\nscore_ids K=64 vs top-64 (proctor gRPC, rows from L/2): {ids_vs_topk['score_ids K=64']:.2f}s vs "
           f"{ids_vs_topk['top-64']:.2f}s = {ratio:.2f}x")
     print(f"first hidden-states request after /health/ready: {first_hidden:.2f}s (client deadline 10 s)")
+    split_gap(args, seqs, Path(model), best, cpu)
+
+
+def split_gap(args, seqs: list[list[int]], model: Path, best: dict[str, float], cpu: dict[str, list[float]]) -> None:
+    """gRPC top-64 against stock's bare prefill, in CPU seconds of each serving tree a round
+    (median round; CPU seconds do not grow with the machine's load as wall seconds do), the gap
+    split into the row math bare prefill never does (its CPU seconds here, same rows) and the rest."""
+    rows = sum(len(s) - 1 for s in seqs)  # gRPC top-64 scores rows 1..T-1 of every sequence
+    torch.set_num_threads(args.engine_threads)
+    math, ranked = row_math_seconds(model, rows), row_math_seconds(model, rows, ranks=True)
+    grpc_name, bare_name = "proctor gRPC top-64", "stock bare prefill (max_tokens=1)"
+    grpc_cpu, bare_cpu = (sorted(cpu[n])[len(cpu[n]) // 2] for n in (grpc_name, bare_name))
+    gap = grpc_cpu - bare_cpu
+    print(f"\ngRPC top-64 vs stock bare prefill: wall {best[bare_name] / best[grpc_name]:.2f}x; serving-tree CPU "
+          f"seconds a round {grpc_cpu:.2f} vs {bare_cpu:.2f} ({bare_cpu / grpc_cpu:.2f}x), gap {gap:.2f}")
+    print(f"  row math bare prefill never does (lm_head + log-softmax + top-{K} over {rows} rows, float32, "
+          f"{args.engine_threads} threads): {math:.2f} CPU-s = {math / grpc_cpu:.0%} of gRPC's"
+          + (f", {math / gap:.0%} of the gap" if gap > 0 else ""))
+    print(f"  the rest, proctor's own (front, replica worker, pooler bookkeeping, packing, wire): {gap - math:.2f} "
+          f"CPU-s = {(gap - math) / grpc_cpu:.0%} of gRPC's; without the row math: {bare_cpu / (grpc_cpu - math):.2f}x")
+    print(f"  the row math with every row's rank too (what the pooler computed for gRPC before): {ranked:.2f} CPU-s; "
+          f"the ranks were {ranked - math:.2f} = {(ranked - math) / ranked:.0%} of it")
 
 
 if __name__ == "__main__":

@@ -26,7 +26,9 @@ if TYPE_CHECKING:  # the server's parts are imported by the commands that use th
     from proctor.server.engines.base import EngineSpec
     from proctor.server.front.routing import Router
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Proctor: teacher scoring for on-policy distillation.")
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+                  context_settings={"max_content_width": 120},
+                  help="Proctor: teacher scoring for on-policy distillation.")
 
 
 def _logging(verbose: bool) -> None:
@@ -104,11 +106,7 @@ def serve(
     ),
 ) -> None:
     """Serve a teacher over gRPC and HTTP until SIGTERM (then drain and exit 0)."""
-    plan = None
-    if config is not None:
-        from proctor.server.config import load_plan
-
-        plan = load_plan(config)
+    plan = None if config is None else _plan_or_exit(config)
     # Before anything is built or imported for the engines: their components' releases.
     _refuse_unsupported_versions([engine] if plan is None else [t.spec.name for t in plan.teachers.values()])
 
@@ -118,15 +116,14 @@ def serve(
         router, options = _config_router(plan, host=host, grpc_port=grpc_port, http_port=http_port)
     else:
         from proctor.server.config import single_teacher_router
-
-        spec = _flag_spec(model, engine=engine, device=device, dtype=dtype, max_topk=max_topk,
-                          max_model_len=max_model_len, inference=inference, startup_timeout_s=startup_timeout_s)
         from proctor.server.engines.base import EngineConfigError
 
-        try:
+        try:  # a missing --model directory, a bad --inference value (the drift check's, say)
+            spec = _flag_spec(model, engine=engine, device=device, dtype=dtype, max_topk=max_topk,
+                              max_model_len=max_model_len, inference=inference, startup_timeout_s=startup_timeout_s)
             router = single_teacher_router(spec, name=teacher_name, replicas=replicas,
                                            health_check_interval_s=health_check_interval_s)
-        except EngineConfigError as exc:  # a bad --inference value (the drift check's, say)
+        except EngineConfigError as exc:
             typer.echo(f"proctor: cannot serve: {exc}", err=True)
             raise typer.Exit(1) from None
         options = _flag_options(host=host, grpc_port=grpc_port, http_port=http_port, auth_token_file=auth_token_file,
@@ -135,13 +132,31 @@ def serve(
     sys.exit(_serve_until_stopped(router, options, switch_interval_ms=switch_interval_ms, open_ok=allow_unauthenticated))
 
 
+def _plan_or_exit(config: Path) -> ServingPlan:
+    """The config file's plan; on a problem, the problems as `check-config` lists them (on
+    stderr, no traceback) and exit 1. The model directories must exist here, not only in the
+    check: the image's default command fails this way when nothing is mounted at the path."""
+    from proctor.server.config import ConfigError, load_plan, print_problems
+
+    try:
+        return load_plan(config)
+    except ConfigError as exc:
+        print_problems(config, exc, out=sys.stderr)
+        raise typer.Exit(1) from None
+
+
 def _config_router(plan: ServingPlan, *, host: str | None, grpc_port: int | None,
                    http_port: int | None) -> tuple[Router, ServerOptions]:
     """The router and server options a config file's plan describes; ports given on the
     command line win over the config file's server block."""
     from proctor.server.config import build_router, server_options
+    from proctor.server.engines.base import EngineConfigError
 
-    router, options = build_router(plan), server_options(plan, host=host)
+    try:
+        router, options = build_router(plan), server_options(plan, host=host)
+    except EngineConfigError as exc:  # a teacher's settings the plan could not judge alone
+        typer.echo(f"proctor: cannot serve: {exc}", err=True)
+        raise typer.Exit(1) from None
     if grpc_port is not None:
         options.grpc_port = grpc_port
     if http_port is not None:
@@ -152,11 +167,13 @@ def _config_router(plan: ServingPlan, *, host: str | None, grpc_port: int | None
 def _flag_spec(model: Path | None, *, engine: str, device: str, dtype: str, max_topk: int,
                max_model_len: int | None, inference: list[str], startup_timeout_s: float) -> EngineSpec:
     """The one teacher's EngineSpec from the flags (without a config file): the built-in tiny
-    teacher unless --model names one, hidden states served unless --inference turns them off."""
+    teacher unless --model names one (checked here: a missing directory is one line, not a
+    replica's traceback), hidden states served unless --inference turns them off."""
     from proctor.server.engines.base import EngineSpec
+    from proctor.server.engines.checks import check_model_path
     from proctor.server.tiny_model import ensure_default_model
 
-    path = model or ensure_default_model()
+    path = check_model_path(model) if model is not None else ensure_default_model()
     settings = _parse_settings(inference)
     if max_model_len:
         settings["max_model_len"] = max_model_len

@@ -67,8 +67,9 @@ def demo(
     loop (which knows only the client) the server's targets and the model for the tokenizer.
     """
     from proctor.server.quickstart import print_quickstart, tiny_teacher
-    from proctor.trainer_adapter.demo import option_error, run_demo
+    from proctor.trainer_adapter.demo import option_error, quiet_bars_in_logs, run_demo
 
+    quiet_bars_in_logs()  # before the teacher's replica starts: it inherits the setting
     if cross_tokenizer:
         _cross_tokenizer_demo(steps=steps, loss=loss, transport=transport, out=out, seed=seed, teacher=teacher)
     loss = loss or "full_forward_kl"

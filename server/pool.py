@@ -240,17 +240,20 @@ def _shared_slots(auto: Sequence[TeacherDemand], slots: int, size: int) -> _Grou
     if None in architectures or len(architectures) > 1:
         unknown = [d.name for d in auto if d.architecture is None]
         why = (
-            f"the architecture of {', '.join(unknown)} is unknown (model_path has no readable config.json)"
+            f"the architecture of {', '.join(unknown)} cannot be read (no config.json at its model_path yet)"
             if unknown
             else "their architectures differ ("
             + ", ".join(f"{d.name}: {d.architecture}" for d in auto)
             + ")"
         )
+        each = "1 device" if size == 1 else f"{size} devices"
+        replicas = "1 replica" if slots == 1 else f"{slots} replicas"
         raise PlacementError(
             [
-                f"{len(auto)} teachers without num_replicas ({', '.join(d.name for d in auto)}) but only {slots} "
-                f"replica slot(s) of {size} device(s) left: they could share slots by swapping weights, but {why}; "
-                "grow the pool or give each teacher its own devices"
+                f"{len(auto)} teachers ({', '.join(d.name for d in auto)}) but room for only {replicas} "
+                f"({each} each): the teachers can take turns on them, swapping weights, only when all "
+                f"have one architecture, and {why}; fix that, or grow the pool "
+                "(n_gpus_per_node × nnodes), or give each teacher num_replicas"
             ]
         )
     return _GroupDemand(tuple(d.name for d in auto), size, slots)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import subprocess
 import sys
 import textwrap
@@ -330,3 +331,57 @@ def test_config_replicas_start_together_in_a_fresh_process(tmp_path, tiny_model_
     done = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().endswith("healthy 3")
+
+
+def _serve(*args: str) -> subprocess.CompletedProcess:
+    """`proctor serve ARGS` in a fresh process, as a user runs it."""
+    return subprocess.run([sys.executable, "-m", "proctor.server.cli", "serve", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_serve_with_a_bad_config_prints_its_problems_not_a_traceback(tmp_path):
+    broken = _write(tmp_path, "distillation:\n  teacher_models:\n    a: {model_path: /nope\n")
+    done = _serve("--config", str(broken))
+    assert done.returncode == 1 and "Traceback" not in done.stderr and "ConfigError" not in done.stderr, done.stderr
+    # The file and the line (1-based) of the YAML error, never PyYAML's "<unicode string>".
+    assert f"{broken}, line 4, column 1: not valid YAML: expected ',' or '}}'" in done.stderr, done.stderr
+    assert "<unicode string>" not in done.stderr and "started at line 3" in done.stderr
+    missing = write_config(tmp_path, cpu_config({"t": torch_teacher("/nope/teacher")}, devices=1))
+    done = _serve("--config", str(missing))
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.splitlines()[0] == f"{missing}: 1 problem(s):", done.stderr
+    assert "model_path '/nope/teacher' does not exist" in done.stderr
+    assert "`proctor make-tiny-model /nope/teacher [--seed N]`" in done.stderr
+
+
+def test_serve_with_a_missing_model_directory_says_so_in_one_line(tmp_path):
+    done = _serve("--model", str(tmp_path / "teacher"))
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"proctor: cannot serve: model_path '{tmp_path / 'teacher'}' does not exist: fix the path, or put a model "
+        f"there first (a Hugging Face model: `huggingface-cli download <repo> --local-dir {tmp_path / 'teacher'}`; "
+        f"a tiny random test teacher: `proctor make-tiny-model {tmp_path / 'teacher'} [--seed N]`)"]
+
+
+def test_shared_slots_without_a_readable_architecture_say_so_plainly(tmp_path):
+    teachers = {name: torch_teacher(f"/nope/{name}", key=name, num_replicas=None) for name in ("math", "code", "chat")}
+    with pytest.raises(ConfigError) as err:
+        load_plan(write_config(tmp_path, cpu_config(teachers, devices=2)), files_must_exist=False)
+    assert err.value.problems == [
+        "placement: 3 teachers (math, code, chat) but room for only 2 replicas (1 device each): the teachers can "
+        "take turns on them, swapping weights, only when all have one architecture, and the architecture of math, "
+        "code, chat cannot be read (no config.json at its model_path yet); fix that, or grow the pool "
+        "(n_gpus_per_node × nnodes), or give each teacher num_replicas"]
+
+
+def test_serve_help_shows_the_address_and_port_defaults_uncut():
+    done = subprocess.run([sys.executable, "-m", "proctor.server.cli", "serve", "--help"],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
+    assert done.returncode == 0, done.stderr
+    text = " ".join(done.stdout.split())
+    for shown in ("--host <str> Address to bind [default: 127.0.0.1; 0.0.0.0 accepts other machines]",
+                  "--grpc-port <int> gRPC port [default: 50051; 0: any free port]",
+                  "--http-port <int> HTTP port [default: 8000; 0: any free port]",
+                  "--health-check-interval-s <float>"):
+        assert shown in text, done.stdout
+    assert "…" not in done.stdout

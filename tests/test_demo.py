@@ -30,6 +30,18 @@ def test_full_forward_kl_demo_halves_the_loss_and_writes_a_plot(tmp_path):
     printed = result.output
     assert "distillation/loss" in printed and "loss_min" in printed and "tok/s" in printed
     assert "through HTTP: max |gRPC - HTTP| = 0.00e+00" in printed  # the quickstart part
+    # The loss said in words and its unit (not only the loss library's name for it), and no
+    # progress bar when the output is not a terminal: every step is one whole line.
+    assert ("loss full_forward_kl: KL(teacher || student) over the whole vocabulary, from the teacher's hidden "
+            "states, in nats per response token (the loss library's loss_mode 'nitrobrew')") in printed
+    assert "distilling" not in printed and "\r" not in printed
+    assert sum(line.startswith("step ") and "tok/s" in line for line in printed.splitlines()) == 8
+
+
+def test_every_demo_loss_is_explained():
+    from proctor.trainer_adapter.demo import LOSSES, MEANINGS
+
+    assert set(MEANINGS) == set(LOSSES)
 
 
 def test_fp8_hidden_states_demo_falls_like_the_exact_one(tmp_path):

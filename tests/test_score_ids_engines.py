@@ -31,10 +31,14 @@ def test_the_pooler_answer_round_trips_every_section():
     bare = unpack(pack(3, 0, logprobs=None, ranks=None, topk_ids=None, topk_logprobs=None, score_logprobs=None,
                        hidden=None, kept_logits=None, kept_hidden=None, positions=1, device=torch.device("cpu")))
     assert bare.logprobs is None and bare.hidden is None and bare.first_row == 3
+    # Log-probs without ranks (what every request but /v1/completions' asks): no rank section.
+    unranked = unpack(pack(7, n, **{**parts, "ranks": None}, positions=12, device=torch.device("cpu")))
+    assert unranked.ranks is None and torch.equal(unranked.logprobs, parts["logprobs"])
+    assert torch.equal(unranked.score_logprobs, parts["score_logprobs"])
     with pytest.raises(ValueError, match="header"):
         unpack(torch.zeros(8, dtype=torch.uint8))
     ask = ScoreAsk(first_row=4, topk=2, temperature=0.7, hidden=True, score_ids=b"\x01\x00\x00\x00" * 4,
-                   score_k=2, keep_row=4)
+                   score_k=2, keep_row=4, ranks=True)
     assert ScoreAsk.from_kwargs(ask.to_kwargs()) == ask
     assert ask.score_ids_tensor(2).tolist() == [[1, 1], [1, 1]]
     with pytest.raises(ValueError, match="extra_kwargs"):
@@ -54,6 +58,10 @@ def test_row_scores_equal_a_float64_log_softmax_at_any_temperature():
     actual = logp.gather(1, targets[:, None]).squeeze(1)
     torch.testing.assert_close(scores.logprobs.double(), actual, rtol=0, atol=1e-5)
     assert torch.equal(scores.ranks.long(), (logp > actual[:, None]).sum(1) + 1)
+    unranked = score_rows(lambda h: h @ weight.T, hidden, targets, topk=4, temperatures=temperatures,
+                          score_ids=score_ids, chunk_rows=4, ranks=False)
+    assert unranked.ranks is None and torch.equal(unranked.logprobs, scores.logprobs)
+    assert score_rows(lambda h: h @ weight.T, hidden[:0], targets[:0], ranks=False).ranks is None
     values, ids = torch.topk(logp, 4)
     assert torch.equal(scores.topk_ids.long(), ids)
     torch.testing.assert_close(scores.topk_logprobs.double(), values, rtol=0, atol=1e-5)

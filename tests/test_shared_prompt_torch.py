@@ -102,17 +102,18 @@ async def test_without_a_prompt_length_members_copy_their_prefix_rows(engine, ti
 
 
 async def test_a_member_asking_more_than_its_source_holds_computes_those_rows(engine, tiny_model_dir):
-    (group,) = make_groups([50], 3, response=(4, 9), seed=13)
-    first, second = (request_of(m, topk=2, whole=True) for m in group[:2])
-    wider = request_of(group[1], topk=6, whole=True)  # wider top-k than the record holds
-    warmer = request_of(group[2], topk=2, temperature=0.5, whole=True)  # another temperature
+    (group,) = make_groups([50], 4, response=(4, 9), seed=13)
+    first, second = (request_of(m, topk=2, whole=True, ranks=False) for m in group[:2])
+    wider = request_of(group[1], topk=6, whole=True, ranks=False)  # wider top-k than the record holds
+    warmer = request_of(group[2], topk=2, temperature=0.5, whole=True, ranks=False)  # another temperature
+    ranked = request_of(group[3], topk=2, whole=True)  # the ranks, which the record left out
     outcomes = await engine.score([first])
-    outcomes += await engine.score([wider, warmer])
-    for request, result in zip([first, wider, warmer], outcomes, strict=True):
+    outcomes += await engine.score([wider, warmer, ranked])
+    for request, result in zip([first, wider, warmer, ranked], outcomes, strict=True):
         assert_exact(result, request, tiny_model_dir)
     # Nothing could be copied, and rows from 1 are wanted: no prefix position could be skipped.
-    assert [r.prompt_reused_tokens for r in outcomes] == [0, 0, 0]
-    assert [r.computed_tokens for r in outcomes] == [first.num_tokens, wider.num_tokens, warmer.num_tokens]
+    assert [r.prompt_reused_tokens for r in outcomes] == [0, 0, 0, 0]
+    assert [r.computed_tokens for r in outcomes] == [r.num_tokens for r in (first, wider, warmer, ranked)]
     (again,) = await engine.score([second])  # the same ask as the first member: copied again
     assert again.prompt_reused_tokens >= 49
     assert_exact(again, second, tiny_model_dir)

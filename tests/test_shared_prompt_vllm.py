@@ -66,7 +66,9 @@ async def _uncached(engine, requests: list[EngineRequest]) -> list:
 def _assert_same(result, reference, request: EngineRequest) -> None:
     assert result.first_row == reference.first_row == request.first_row
     torch.testing.assert_close(result.logprobs, reference.logprobs, rtol=0, atol=1e-5)
-    assert torch.equal(result.ranks, reference.ranks)
+    assert (result.ranks is None) == (reference.ranks is None) == (not request.ranks)
+    if request.ranks:
+        assert torch.equal(result.ranks, reference.ranks)
     if request.topk:
         assert torch.equal(result.topk_ids, reference.topk_ids), request.request_id
         torch.testing.assert_close(result.topk_logprobs, reference.topk_logprobs, rtol=0, atol=1e-5)

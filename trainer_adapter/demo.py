@@ -45,6 +45,17 @@ LOSSES = {
     "student_topk_reverse_kl": "student_topk_reverse_kl",
 }
 FULL_VOCAB_MODES = ("nitrobrew", "nitrobrew_reverse_kl", "full_jsd")  # from teacher hidden states
+# What each loss is, as the demo's first line says it (all are natural-log divergences: nats per token).
+MEANINGS = {
+    "k1": "the k1 estimate of KL(student || teacher) at the sampled tokens",
+    "k3": "the k3 estimate of KL(student || teacher) at the sampled tokens",
+    "forward_kl_topk": "KL(teacher || student) over the teacher's top-k tokens",
+    "full_forward_kl": "KL(teacher || student) over the whole vocabulary, from the teacher's hidden states",
+    "full_reverse_kl": "KL(student || teacher) over the whole vocabulary, from the teacher's hidden states",
+    "full_jsd": "the Jensen-Shannon divergence over the whole vocabulary, from the teacher's hidden states",
+    "student_topk_reverse_kl": "KL(student || teacher) over the student's top-k tokens (the teacher scores them: score_ids)",
+}
+UNIT = "nats per response token"
 TRANSPORTS = ("grpc", "http")
 TEACHERS = ("text", "omni")  # the built-in tiny teacher, or the tiny Qwen2.5-Omni Thinker
 PROMPTS = [
@@ -91,15 +102,20 @@ def _line(log: StepLog) -> str:
 
 
 class _Progress:
-    """tqdm when installed, plain lines otherwise; per-step metrics are printed either way."""
+    """A tqdm bar on a terminal (when installed), plain lines otherwise: in a log (stderr not a
+    terminal) a bar's redraws would land between the step lines. Per-step metrics are printed
+    either way."""
 
     def __init__(self, total: int) -> None:
+        self._bar = None
+        if not sys.stderr.isatty():
+            return
         try:
             from tqdm import tqdm
 
             self._bar = tqdm(total=total, desc="distilling", unit="step", file=sys.stderr, dynamic_ncols=True)
         except ImportError:
-            self._bar = None
+            pass
 
     def step(self, log: StepLog) -> None:
         if self._bar is None:
@@ -112,6 +128,20 @@ class _Progress:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+
+
+def quiet_bars_in_logs() -> None:
+    """When stderr is not a terminal (a log), no progress bars: transformers' weight-loading bars
+    (here, and, through the environment, in the teacher's replica workers started afterwards)
+    would write their redraws between the demo's lines. Bars stay on a terminal."""
+    if sys.stderr.isatty():
+        return
+    import os
+
+    from transformers.utils import logging as transformers_logging
+
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # read by transformers at import
+    transformers_logging.disable_progress_bar()
 
 
 def _student_topk(student, rollouts, k: int) -> list[torch.Tensor]:
@@ -254,6 +284,7 @@ def run_demo(targets: Mapping[str, str], model_dir: Path, *, steps: int = 30, lo
         print(f"proctor demo: {problem}", file=sys.stderr)
         return 2
     settings = DemoSettings(steps=steps, loss=loss, transport=transport, seed=seed, **overrides)
+    quiet_bars_in_logs()
     torch.manual_seed(seed)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -264,18 +295,19 @@ def run_demo(targets: Mapping[str, str], model_dir: Path, *, steps: int = 30, lo
     else:
         student = TextStudent(model_dir, noise=settings.noise, seed=seed)
     form = f", hidden states as {settings.hidden_form}" if settings.hidden_form else ""
-    print(f"on-policy distillation of the {teacher} teacher: loss {loss} ({LOSSES[loss]}){form}, transport {transport}, {steps} steps, "
+    print(f"on-policy distillation of the {teacher} teacher{form}: transport {transport}, {steps} steps, "
           f"{len(PROMPTS)} prompts x {settings.samples_per_prompt} samples x {settings.response_length} tokens, "
           f"sampled in {settings.groups} batches")
+    print(f"loss {loss}: {MEANINGS[loss]}, in {UNIT} (the loss library's loss_mode {LOSSES[loss]!r})")
     started = time.monotonic()
     logs = train(targets[transport], student, settings)
     elapsed = time.monotonic() - started
     losses = [log.loss for log in logs]
     plot = out / f"loss_{loss}.png"
     writer = plot_losses(plot, losses, [log.loss_min for log in logs], [log.loss_max for log in logs],
-                         f"proctor demo: {loss} over {transport}")
+                         f"proctor demo: {loss} over {transport}", unit=UNIT)
     (out / f"loss_{loss}.json").write_text(json.dumps([log.__dict__ for log in logs], indent=1))
     ratio = losses[-1] / losses[0] if losses[0] else float("nan")
-    print(f"\nloss {losses[0]:.4f} -> {losses[-1]:.4f} (x{ratio:.3f}) in {elapsed:.1f}s; "
+    print(f"\nloss {losses[0]:.4f} -> {losses[-1]:.4f} {UNIT} (x{ratio:.3f}) in {elapsed:.1f}s; "
           f"plot {plot} ({writer}), log {out / f'loss_{loss}.json'}")
     return 0

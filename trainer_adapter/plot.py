@@ -12,13 +12,16 @@ import zlib
 from pathlib import Path
 
 
-def plot_losses(path: Path, losses: list[float], lows: list[float], highs: list[float], title: str) -> str:
-    """Write the curve to `path`; returns which writer drew it ("matplotlib" or "builtin")."""
+def plot_losses(path: Path, losses: list[float], lows: list[float], highs: list[float], title: str, *,
+                unit: str = "nats per token") -> str:
+    """Write the curve to `path`, its y axis in `unit`; returns which writer drew it
+    ("matplotlib" or "builtin": the fallback draws no text)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
     except ImportError:
         _write_png(path, *_raster(losses, lows, highs))
         return "builtin"
@@ -27,7 +30,8 @@ def plot_losses(path: Path, losses: list[float], lows: list[float], highs: list[
     ax.fill_between(steps, lows, highs, alpha=0.2, label="per-token min..max")
     ax.plot(steps, losses, marker="o", markersize=3, label="distillation/loss (token mean)")
     ax.set_xlabel("step")
-    ax.set_ylabel("loss")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole: no 1.5
+    ax.set_ylabel(f"loss ({unit})")
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()

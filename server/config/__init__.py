@@ -24,7 +24,7 @@ from proctor.server.config.builder import (
     server_options,
     single_teacher_router,
 )
-from proctor.server.config.check import check_config_command
+from proctor.server.config.check import check_config_command, print_problems
 from proctor.server.config.plan import ServingPlan, load_config, load_plan, resolve_plan
 from proctor.server.config.reading import parse_config, read_yaml
 from proctor.server.config.schema import ConfigError, ProctorConfig
@@ -39,6 +39,7 @@ __all__ = [
     "load_plan",
     "load_server_config",
     "parse_config",
+    "print_problems",
     "read_yaml",
     "resolve_plan",
     "server_options",

@@ -21,10 +21,17 @@ def check_config_command(path: str | Path, *, out=None) -> int:
     try:
         plan = load_plan(path, files_must_exist=False)
     except ConfigError as exc:
-        print(f"{path}: {len(exc.problems)} problem(s):", file=out)
-        for problem in exc.problems:
-            print(f"  - {problem}", file=out)
+        print_problems(path, exc, out=out)
         return 1
     print(f"{path}: OK", file=out)
     print(plan.summary(), file=out)
     return 0
+
+
+def print_problems(path: str | Path, error: ConfigError, *, out=None) -> None:
+    """A config file's problems, one per line under the file's name: what `check-config` prints,
+    and what `proctor serve --config` prints (to stderr) before it exits 1, with no traceback."""
+    out = out or sys.stdout
+    print(f"{path}: {len(error.problems)} problem(s):", file=out)
+    for problem in error.problems:
+        print(f"  - {problem}", file=out)

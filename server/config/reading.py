@@ -224,16 +224,38 @@ class _BoundedYamlLoader(yaml.SafeLoader):
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
+    """The document in `path`; ConfigError naming the file (and the line of a YAML error)."""
     try:
         text = Path(path).read_text()
     except OSError as exc:
         raise ConfigError([f"{path}: cannot read ({exc.strerror})"]) from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError([f"{path}: not a text file ({exc.reason} at byte {exc.start})"]) from None
     loader = _BoundedYamlLoader(text)
+    loader.name = str(path)  # PyYAML's marks name "<unicode string>" for text it was handed
     try:
         return loader.get_single_data() or {}
     except _YamlRefused as exc:
-        raise ConfigError([f"{path}: {exc}"]) from None
+        raise ConfigError([f"{_where(path, exc.problem_mark)}: {exc.problem}"]) from None
+    except yaml.MarkedYAMLError as exc:
+        raise ConfigError([yaml_problem(path, exc)]) from None
     except yaml.YAMLError as exc:
-        raise ConfigError([f"{path}: not valid YAML ({exc})"]) from exc
+        raise ConfigError([f"{path}: not valid YAML ({exc})"]) from None
     finally:
         loader.dispose()
+
+
+def yaml_problem(path: str | Path, exc: yaml.MarkedYAMLError) -> str:
+    """One line for a YAML error: the file, the line and column (1-based), what is wrong, and
+    the construct it was inside (PyYAML's own text spans several lines with a caret picture)."""
+    problem = exc.problem or "cannot be read"
+    context = ""
+    if exc.context:
+        at = f" started at line {exc.context_mark.line + 1}" if exc.context_mark else ""
+        context = f" ({exc.context}{at})"
+    return f"{_where(path, exc.problem_mark or exc.context_mark)}: not valid YAML: {problem}{context}"
+
+
+def _where(path: str | Path, mark: yaml.Mark | None) -> str:
+    """`path, line L, column C` (1-based, as editors count), or the path alone."""
+    return f"{path}, line {mark.line + 1}, column {mark.column + 1}" if mark else str(path)

@@ -87,6 +87,7 @@ class EngineRequest:
     temperature: float = 1.0
     cache_salt: str = ""  # scopes prompt reuse (`ScoreRequest.cache_salt`): salts never share prefixes
     hidden_form: str = ""  # the hidden states' wire form (`engines.hidden_forms`); "": the engine's dtype
+    ranks: bool = False  # the actual tokens' ranks too: only /v1/completions answers them (a pass over V)
 
     @property
     def num_tokens(self) -> int:
@@ -106,8 +107,7 @@ class EngineResult:
     topk_ids: torch.Tensor | None = None  # int32 [R, K]
     topk_logprobs: torch.Tensor | None = None  # float32 [R, K]
     hidden_states: torch.Tensor | None = None  # [R, H], engine dtype, or the request's hidden_form
-    # The actual token's rank in its row's distribution (1: the most likely), int64 [R], from
-    # engines that know it, beside logprobs: what vLLM-shaped answers report as `rank`.
+    # The actual token's rank in its row (1: the most likely), int64 [R], when the request asked it.
     ranks: torch.Tensor | None = None
     score_logprobs: torch.Tensor | None = None  # float32 [R, K], -inf at padded score_ids
     # Prefix tokens not recomputed, shared with an earlier request (0: computed whole; None: reuse

@@ -30,8 +30,9 @@ def check_model_path(model_path: str | Path | None) -> Path:
     path = Path(model_path).expanduser()
     if not path.exists():
         raise EngineConfigError(
-            f"model_path {str(path)!r} does not exist: download the teacher there first "
-            "(e.g. `huggingface-cli download <repo> --local-dir <dir>`) or fix the path"
+            f"model_path {str(path)!r} does not exist: fix the path, or put a model there first "
+            f"(a Hugging Face model: `huggingface-cli download <repo> --local-dir {path}`; "
+            f"a tiny random test teacher: `proctor make-tiny-model {path} [--seed N]`)"
         )
     if not path.is_dir():
         raise EngineConfigError(f"model_path {str(path)!r} is a file: point it at the model's directory")

@@ -33,11 +33,13 @@ class RowRecord:
     score_ids: torch.Tensor | None  # int64 [rows, K], -1 padding
     result: EngineResult | None = None
     hidden_form: str = ""  # the form its hidden rows are in: only a request asking the same copies them
+    ranks: bool = False
 
     @classmethod
     def asked_by(cls, request: EngineRequest) -> RowRecord:
         return cls(request.first_row, request.num_tokens, request.temperature, request.logprobs, request.topk,
-                   request.hidden_states, request.score_ids, hidden_form=request.hidden_form)
+                   request.hidden_states, request.score_ids, hidden_form=request.hidden_form,
+                   ranks=request.ranks)
 
     @property
     def nbytes(self) -> int:
@@ -55,7 +57,8 @@ class RowRecord:
         end = min(shared - 1, self.num_tokens - 1)
         if first < self.first_row or end < first:
             return none
-        if (request.logprobs and not self.logprobs) or request.topk > self.topk \
+        if (request.logprobs and not self.logprobs) or (request.logprobs and request.ranks and not self.ranks) \
+                or request.topk > self.topk \
                 or (request.hidden_states and (not self.hidden or request.hidden_form != self.hidden_form)):
             return none
         scores = request.logprobs or request.topk or request.score_ids is not None
@@ -79,7 +82,9 @@ class RowRecord:
         lo, hi = request.first_row - self.first_row, end - self.first_row + 1
         out = EngineResult(first_row=request.first_row)
         if request.logprobs:
-            out.logprobs, out.ranks = kept.logprobs[lo:hi], kept.ranks[lo:hi]
+            out.logprobs = kept.logprobs[lo:hi]
+            if request.ranks:
+                out.ranks = kept.ranks[lo:hi]
         if request.topk:
             out.topk_ids = kept.topk_ids[lo:hi, : request.topk]
             out.topk_logprobs = kept.topk_logprobs[lo:hi, : request.topk]

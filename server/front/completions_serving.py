@@ -77,7 +77,9 @@ async def score_all(service: ScoringService, messages: list[scoring_pb2.ScoreReq
                     timeout: float | None) -> list[ScoredRequest]:
     """Score a call's prompts at once, answers in order. The first error fails the call and
     withdraws the rest; a cancelled call (its client gone) withdraws them all."""
-    jobs = [asyncio.ensure_future(service.score(message, timeout=timeout, unary=True)) for message in messages]
+    # Its answer's prompt_logprobs name each actual token's rank: asked of the engine here only.
+    jobs = [asyncio.ensure_future(service.score_teacher(message, timeout=timeout, unary=True, ranks=True))
+            for message in messages]
     try:
         return await asyncio.gather(*jobs)
     finally:

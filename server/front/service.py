@@ -172,9 +172,11 @@ class ScoringService:
         return await self.score_teacher(request, timeout=timeout, unary=unary)
 
     async def score_teacher(self, request: scoring_pb2.ScoreRequest, *, timeout: float | None = None,
-                            unary: bool = True, mode: str | None = None, admitted: bool = False) -> ScoredRequest:
+                            unary: bool = True, mode: str | None = None, admitted: bool = False,
+                            ranks: bool = False) -> ScoredRequest:
         """Score a request over the teacher's own ids (counted under `mode`, default its own);
-        `admitted`: its caller has admitted it already (an aligned request, admitted before planning)."""
+        `admitted`: its caller has admitted it already (an aligned request, admitted before planning);
+        `ranks`: the actual tokens' ranks too (vLLM-shaped answers carry them, gRPC's do not)."""
         started = time.monotonic()
         mode = mode or request_mode(request)
         teacher_name = "unknown"
@@ -182,7 +184,8 @@ class ScoringService:
             self.check_serving()
             teacher_set = self.router.route(request.teacher_key)
             teacher_name = teacher_set.name
-            valid = validate(teacher_set, request, max_answer_bytes=self.limits.max_answer_bytes if unary else None)
+            valid = validate(teacher_set, request, max_answer_bytes=self.limits.max_answer_bytes if unary else None,
+                             ranks=ranks)
             valid = await decode(valid, self.limits.media)
             tokens = valid.request.num_tokens
             admission = None if admitted else self.admit(valid.teacher_set, tokens)

@@ -49,9 +49,10 @@ def request_mode(request: scoring_pb2.ScoreRequest) -> str:
     return "+".join(parts) or "none"
 
 
-def validate(teacher_set: ReplicaSet, request: scoring_pb2.ScoreRequest, *, max_answer_bytes: int | None) -> ValidRequest:
+def validate(teacher_set: ReplicaSet, request: scoring_pb2.ScoreRequest, *, max_answer_bytes: int | None,
+             ranks: bool = False) -> ValidRequest:
     """Check a request once against the teacher it was routed to; `max_answer_bytes` bounds a
-    unary answer (None: a streamed one)."""
+    unary answer (None: a streamed one); `ranks` asks the actual tokens' ranks beside log-probs."""
     info = teacher_set.info
     ids = _token_ids(request, info, teacher_set.name)
     first_row = response_first_row(request, len(ids))
@@ -75,6 +76,7 @@ def validate(teacher_set: ReplicaSet, request: scoring_pb2.ScoreRequest, *, max_
         score_ids=score_ids,
         cache_salt=request.cache_salt,
         hidden_form=request.hidden_form,
+        ranks=ranks,
     )
     return ValidRequest(teacher_set, engine_request, request_mode(request), _replica(request, teacher_set))
 

@@ -62,7 +62,7 @@ def interleaved(groups: list[list[Member]], seed: int = 0) -> list[Member]:
 
 
 def request_of(member: Member, *, topk: int = 0, hidden: bool = False, score_ids: bool = False,
-               temperature: float = 1.0, whole: bool = False) -> EngineRequest:
+               temperature: float = 1.0, whole: bool = False, ranks: bool = True) -> EngineRequest:
     """The member as an engine request: rows from its prompt length, or with `whole` every row from
     1 (a client that sends no prompt length: verl's teacher loop, `/v1/completions`). Its score_ids
     depend on the row and the group only, as a student's top-k over a shared prompt would."""
@@ -75,6 +75,7 @@ def request_of(member: Member, *, topk: int = 0, hidden: bool = False, score_ids
     return EngineRequest(
         request_id=f"g{member.group}m{member.index}", token_ids=member.token_ids, first_row=first_row,
         logprobs=True, topk=topk, hidden_states=hidden, score_ids=ids, temperature=temperature,
+        ranks=ranks,
     )
 
 
@@ -85,7 +86,8 @@ def assert_exact(result: EngineResult, request: EngineRequest, model_dir: Path |
     ref = reference_rows(model_dir, request.token_ids.tolist(), request.first_row, temperature=request.temperature)
     assert result.first_row == request.first_row
     torch.testing.assert_close(result.logprobs.double(), ref.logprobs, rtol=0, atol=atol)
-    if result.ranks is not None:
+    assert (result.ranks is not None) == request.ranks, request.request_id  # computed exactly when asked
+    if request.ranks:
         expected_ranks = (ref.distributions > ref.logprobs[:, None]).sum(dim=1) + 1
         assert torch.equal(result.ranks.long(), expected_ranks), request.request_id
     if request.topk:

@@ -171,6 +171,7 @@ class VllmEngine(VllmFamilyEngine):
             keep_row=keep_row,
             hidden_form=request.hidden_form,
             projection=self.forms.projection_file() if request.hidden_form in PROJECTED_FORMS else "",
+            ranks=bool(request.logprobs and request.ranks),
         )
 
     async def encode(self, request: EngineRequest, *, read_cache: bool, keep_row: int = 0) -> PooledScores:
@@ -232,7 +233,7 @@ class VllmEngine(VllmFamilyEngine):
         offset = index - request.first_row
         score_ids = None if request.score_ids is None else request.score_ids[offset : offset + 1]
         scores = score_rows(lambda h: h, row.logits[None], target, topk=request.topk,
-                            temperatures=temperatures, score_ids=score_ids)
+                            temperatures=temperatures, score_ids=score_ids, ranks=request.ranks)
         pooled = PooledScores(index, 1, scores.logprobs, scores.ranks, scores.topk_ids, scores.topk_logprobs,
                               scores.score_logprobs,
                               self.forms.compress(row.hidden[None].to(self._dtype), request.hidden_form), None, None)
@@ -262,7 +263,9 @@ def _fill(result: EngineResult, request: EngineRequest, pooled: PooledScores, dt
         return value.clone()
 
     if request.logprobs:
-        result.logprobs, result.ranks = field("logprobs"), field("ranks").to(torch.int64)
+        result.logprobs = field("logprobs")
+        if request.ranks:
+            result.ranks = field("ranks").to(torch.int64)
     if request.topk:
         result.topk_ids, result.topk_logprobs = field("topk_ids"), field("topk_logprobs")
     if request.score_ids is not None:

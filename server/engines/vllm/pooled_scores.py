@@ -7,7 +7,7 @@ into one uint8 tensor (vLLM's pooling output travels as a tensor per request) an
 the replica worker as zero-copy views.
 
 The answer's layout: a header of int64 fields, then each present section's raw bytes, in order:
-log-probs float32 [n], ranks int32 [n], top-k ids int32 [n, K], top-k log-probs float32 [n, K],
+log-probs float32 [n], ranks int32 [n] (when asked), top-k ids int32 [n, K], top-k log-probs float32 [n, K],
 score log-probs float32 [n, Ks], hidden states [n, H] in the model's dtype, and one row's record
 (`keep_row`): its raw logits float32 [V] and its hidden state float32 [H], what a shared prompt's
 followers need of row P. Rows are `first_row .. first_row+n-1`
@@ -26,17 +26,19 @@ import torch
 
 KEY = "proctor"
 MAGIC = 0x50524F43  # "PROC"
-VERSION = 2
-# int64 fields: magic, version, first_row, n, scores, K, Ks, H, hidden dtype, kept row's V and H, positions
+VERSION = 3
+# int64 fields: magic, version, first_row, n, scores (bit 0: log-probs, bit 1: ranks), K, Ks, H, hidden dtype,
+# kept row's V and H, positions
 _HEADER = 12
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.uint8)  # uint8: packed fp8 rows
 
 
 @dataclass(frozen=True)
 class ScoreAsk:
-    """One request's asks: rows `first_row..T-1`; `scores` (log-probs and ranks, plus `topk` and
-    `score_ids`) at `temperature`; `hidden` states; `keep_row` (0: none): that row's raw logits
-    and hidden state, also past the rows asked (row T of a prompt sent alone has no token)."""
+    """One request's asks: rows `first_row..T-1`; `scores` (log-probs, plus `topk` and
+    `score_ids`, and the actual tokens' `ranks`) at `temperature`; `hidden` states; `keep_row`
+    (0: none): that row's raw logits and hidden state, also past the rows asked (row T of a
+    prompt sent alone has no token)."""
 
     first_row: int
     scores: bool = True
@@ -48,18 +50,19 @@ class ScoreAsk:
     keep_row: int = 0
     hidden_form: str = ""  # the hidden states' wire form (`engines.hidden_forms`), made in the pooler
     projection: str = ""  # the file of the teacher's projection P, for the projected forms
+    ranks: bool = False
 
     def to_kwargs(self) -> dict[str, Any]:
         return {KEY: [self.first_row, self.scores, self.topk, self.temperature, self.hidden,
-                      self.score_ids, self.score_k, self.keep_row, self.hidden_form, self.projection]}
+                      self.score_ids, self.score_k, self.keep_row, self.hidden_form, self.projection, self.ranks]}
 
     @classmethod
     def from_kwargs(cls, extra: dict[str, Any] | None) -> ScoreAsk:
         if not extra or KEY not in extra:
             raise ValueError("a scoring request needs PoolingParams.extra_kwargs['proctor'] (proctor's ask)")
-        first_row, scores, topk, temperature, hidden, score_ids, score_k, keep_row, form, projection = extra[KEY]
+        first_row, scores, topk, temperature, hidden, score_ids, score_k, keep_row, form, projection, ranks = extra[KEY]
         return cls(int(first_row), bool(scores), int(topk), float(temperature), bool(hidden),
-                   bytes(score_ids), int(score_k), int(keep_row), str(form), str(projection))
+                   bytes(score_ids), int(score_k), int(keep_row), str(form), str(projection), bool(ranks))
 
     def score_ids_tensor(self, rows: int) -> torch.Tensor | None:
         """The score ids as int32 [rows, score_k] (None when none were asked)."""
@@ -97,12 +100,14 @@ def pack(
     code = 0 if hidden is None else _DTYPES.index(hidden.dtype)
     v = 0 if kept_logits is None else int(kept_logits.numel())
     kept_h = 0 if kept_hidden is None else int(kept_hidden.numel())
-    header = torch.tensor([MAGIC, VERSION, first_row, n, int(logprobs is not None), k, ks, h, code, v, kept_h,
-                           positions],
+    scores = int(logprobs is not None) | (2 if logprobs is not None and ranks is not None else 0)
+    header = torch.tensor([MAGIC, VERSION, first_row, n, scores, k, ks, h, code, v, kept_h, positions],
                           dtype=torch.int64, device=device)
     sections = [header]
     if logprobs is not None:
-        sections += [logprobs.float(), ranks.to(torch.int32)]
+        sections.append(logprobs.float())
+    if scores & 2:
+        sections.append(ranks.to(torch.int32))
     if k:
         sections += [topk_ids.to(torch.int32), topk_logprobs.float()]
     if ks:
@@ -154,8 +159,8 @@ def unpack(answer: Any) -> PooledScores:
         offset += size
         return part
 
-    lp = take(torch.float32, n) if scores else None
-    ranks = take(torch.int32, n) if scores else None
+    lp = take(torch.float32, n) if scores & 1 else None
+    ranks = take(torch.int32, n) if scores & 2 else None
     ids = take(torch.int32, n, k) if k else None
     vals = take(torch.float32, n, k) if k else None
     score = take(torch.float32, n, ks) if ks else None

@@ -15,7 +15,8 @@ the model's `compute_logits` consumes) and, per request (its `ScoreAsk` in
   so rows before `first_row` cost no lm_head work;
 - runs the model's own logits path on them (`compute_logits`: lm_head and its bias, logit scale,
   final soft-cap, the vocab-parallel gather under TP), in row chunks (`row_scores`);
-- computes the asked outputs at the request's temperature (`row_scores.score_rows`), and keeps
+- computes the asked outputs at the request's temperature (`row_scores.score_rows`; the actual
+  token's rank only when a request of the step asks it), and keeps
   the hidden states when asked; packs them into one uint8 tensor (`pooled_scores.pack`).
 With chunked prefill a request's chunks arrive in several steps: each chunk's outputs are kept
 in the request's pooling state until its last chunk, then packed once. With c prefix-cached
@@ -43,7 +44,7 @@ from proctor.server.engines.vllm.pooled_scores import ScoreAsk, pack
 PREFIX = "ProctorScoring"
 # What vLLM's memory profiling run (requests without an ask) scores: every row, a top-k and the
 # hidden states, so that the profile includes the pooler's own peak (its chunk of logits).
-_PROFILE_ASK = ScoreAsk(first_row=1, scores=True, topk=20, hidden=True)
+_PROFILE_ASK = ScoreAsk(first_row=1, scores=True, topk=20, hidden=True, ranks=True)
 
 
 def scoring_architecture(base_architecture: str) -> str:
@@ -149,7 +150,7 @@ class ScoringPooler(_Pooler):
             wanted = torch.cat([c.score_ids(width) for c in scored]) if width else None
             scores = score_rows(
                 self._logits, states, targets.to(device=device, dtype=torch.long, non_blocking=True),
-                topk=max(c.ask.topk for c in scored),
+                topk=max(c.ask.topk for c in scored), ranks=any(c.ask.ranks for c in scored),
                 temperatures=None if temperatures is None else temperatures.to(device, non_blocking=True),
                 score_ids=None if wanted is None else wanted.to(device, non_blocking=True))
             offset = 0
@@ -196,7 +197,7 @@ class _Chunk:
     def take_scores(self, scores: RowScores, offset: int) -> None:
         rows, ask = slice(offset, offset + self.rows), self.ask
         self.part["scores"] = RowScores(
-            logprobs=scores.logprobs[rows], ranks=scores.ranks[rows],
+            logprobs=scores.logprobs[rows], ranks=scores.ranks[rows] if ask.ranks else None,
             topk_ids=scores.topk_ids[rows, : ask.topk] if ask.topk else None,
             topk_logprobs=scores.topk_logprobs[rows, : ask.topk] if ask.topk else None,
             score_logprobs=scores.score_logprobs[rows, : ask.score_k] if ask.score_k else None)
@@ -216,7 +217,7 @@ def _packed(ask: ScoreAsk, parts: list[dict[str, Any]], device: torch.device) ->
     hidden = [p["hidden"] for p in parts if "hidden" in p]
     if ask.scores and not scores:  # no wanted row at all (every one cached or none asked)
         empty = torch.empty(0, device=device)
-        logprobs, ranks = empty, empty.to(torch.int32)
+        logprobs, ranks = empty, empty.to(torch.int32) if ask.ranks else None
         topk_ids = torch.empty((0, ask.topk), dtype=torch.int32, device=device) if ask.topk else None
         topk_lp = torch.empty((0, ask.topk), device=device) if ask.topk else None
         score = torch.empty((0, ask.score_k), device=device) if ask.score_k else None
