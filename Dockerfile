@@ -32,15 +32,24 @@ ARG TORCH_VERSION=2.13.0
 # The index that serves PyTorch's CPU-only wheels (PyTorch's own "whl/cpu" index); give it with
 # --build-arg TORCH_INDEX_URL=... (required: a plain `torch` from the default index is the CUDA build).
 ARG TORCH_INDEX_URL=""
+# A CA bundle for pip behind a TLS-inspecting proxy, at a path the build mounts (podman build
+# -v host.crt:/path:ro --build-arg PIP_CERT=/path). Unset by default: pip's own bundle. Only
+# this build stage sees it.
+ARG PIP_CERT
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONDONTWRITEBYTECODE=1
-RUN python -m venv /opt/venv
+# python3, not python: a base image made from Debian packages has no `python` command.
+RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 # Same two steps as scripts/install.sh and CI: the CPU torch first (a plain `torch` would pull
 # the multi-GB CUDA build), then the server extra, which then finds torch already satisfied.
 RUN test -n "${TORCH_INDEX_URL}" || { echo "pass --build-arg TORCH_INDEX_URL=<PyTorch CPU wheel index>" >&2; exit 1; }
-RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
+# An extra index, so torch's own dependencies still come from the default one: pip takes the
+# highest version, and the CPU index's `2.13.0+cpu` sorts above the default index's `2.13.0`.
+# The check after it fails the build if a CUDA build came in all the same.
+RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --extra-index-url "${TORCH_INDEX_URL}" \
+    && python -c "import sys, torch; sys.exit(f'torch {torch.__version__} is a CUDA build' if torch.version.cuda else 0)"
 WORKDIR /src
 COPY . /src
 # hadolint ignore=DL3013
