@@ -23,14 +23,16 @@
 # PyTorch's CPU wheel: TORCH_INDEX_URL when set, else the wheel this machine's pip resolves for
 # torch==2.13.0, served on loopback as an index, if and only if it is a CPU build.
 #
-# Environment: PROCTOR_CHECK_DIR (scratch, default a new temp dir), KEEP=1 keeps the image
-# and the base image, TORCH_INDEX_URL.
+# Environment: PROCTOR_CHECK_DIR (scratch, kept; default a temp dir, removed), KEEP=1 keeps the
+# image and the scratch dir, TORCH_INDEX_URL. The base image is kept (made once per machine).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 PY=$ROOT/.venv/bin/python
 IMAGE=localhost/proctor:0.1.0-cpu
 BASE=localhost/proctor-base:bookworm
+OWN_WORK=0
+[ -n "${PROCTOR_CHECK_DIR:-}" ] || OWN_WORK=1
 WORK=${PROCTOR_CHECK_DIR:-$(mktemp -d)}
 mkdir -p "$WORK"
 NAME=proctor-check-$$
@@ -42,6 +44,7 @@ cleanup() {
   for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
   podman rm -f -t 0 "$NAME" "$NAME-refuse" >/dev/null 2>&1 || true
   if [ -n "${COMPOSE:-}" ]; then (cd deploy/compose && compose_env "$COMPOSE" --profile cpu down -t 5 >/dev/null 2>&1) || true; fi
+  if [ "$OWN_WORK" = 1 ] && [ "${KEEP:-0}" != 1 ]; then rm -rf "$WORK"; fi
 }
 trap cleanup EXIT
 
