@@ -144,7 +144,7 @@ check drain "127.0.0.1:$G" "127.0.0.1:$REF_G" --token "$TOKEN" --container "$NAM
 podman rm -f "$NAME" >/dev/null 2>>"$WORK/podman.log"
 
 # ---------------------------------------------------------------- 2. no token, non-loopback
-serve_help=$(podman run --rm "$IMAGE" serve --help 2>>"$WORK/podman.log")
+serve_help=$(podman run --rm -e COLUMNS=400 "$IMAGE" serve --help 2>>"$WORK/podman.log")  # wide: rich cuts names
 if grep -q -- --allow-unauthenticated <<<"$serve_help"; then
   set +e
   podman run --rm --name "$NAME-refuse" -v "$WORK/models:/models:ro" "$IMAGE" >"$WORK/refuse.out" 2>&1
