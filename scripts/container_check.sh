@@ -181,7 +181,7 @@ services:
   teacher-cpu:
     ulimits:
       nofile: {soft: $(ulimit -Hn), hard: $(ulimit -Hn)}
-      memlock: {soft: $memlock, hard: $memlock}
+      memlock: $memlock
 EOF
 compose_env() {
   env PROCTOR_MODELS_DIR="$WORK/models" PROCTOR_TOKEN_FILE="$WORK/token" PROCTOR_IMAGE_CPU="$IMAGE" \
