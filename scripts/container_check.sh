@@ -53,10 +53,14 @@ trap cleanup EXIT
 
 # ---------------------------------------------------------------- engine and its settings
 phase "install podman, runc, mmdebstrap, prometheus (Debian packages)"
-if ! command -v podman >/dev/null || ! command -v mmdebstrap >/dev/null || ! command -v prometheus >/dev/null; then
+# dnsname: compose services find each other by name (the verify service dials `teacher`) on
+# podman's CNI network backend, which Debian's podman 4.3 uses.
+if ! command -v podman >/dev/null || ! command -v mmdebstrap >/dev/null || ! command -v prometheus >/dev/null \
+    || [ ! -x /usr/lib/cni/dnsname ]; then
   apt-get update -q >/dev/null
   DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
-    podman runc mmdebstrap prometheus uidmap slirp4netns fuse-overlayfs ca-certificates >/dev/null
+    podman runc mmdebstrap prometheus uidmap slirp4netns fuse-overlayfs ca-certificates \
+    golang-github-containernetworking-plugin-dnsname >/dev/null
 fi
 # crun refuses this machine's hybrid cgroups (v1 + v2); runc runs there. Podman's default
 # ulimits (nofile 1048576) exceed what the machine grants. Our own file, not /etc's.
@@ -173,7 +177,8 @@ install -m 0640 -g 10001 /dev/stdin "$WORK/token" <<<"$TOKEN"
 CG=$(free_port); CH=$(free_port)
 # The compose file asks for nofile 65536 and unlimited memlock (what a GPU node wants); a machine
 # may grant less (this CI machine: nofile 20000, memlock 8 MiB), and runc then refuses to start.
-# The one change made to the project's file: those two limits lowered to the machine's.
+# The one change made to the project's file: those limits lowered to the machine's, and nproc
+# given (podman sets 1048576 once any ulimit is given, over containers.conf's default).
 hard_l=$(ulimit -Hl)
 if [ "$hard_l" = unlimited ]; then memlock=-1; else memlock=$((hard_l * 1024)); fi
 cat > "$WORK/compose.limits.yaml" <<EOF
@@ -182,10 +187,11 @@ services:
     ulimits:
       nofile: {soft: $(ulimit -Hn), hard: $(ulimit -Hn)}
       memlock: $memlock
+      nproc: {soft: 32768, hard: 32768}
 EOF
 compose_env() {
   env PROCTOR_MODELS_DIR="$WORK/models" PROCTOR_TOKEN_FILE="$WORK/token" PROCTOR_IMAGE_CPU="$IMAGE" \
-    PROCTOR_GRPC_PORT="$CG" PROCTOR_HTTP_PORT="$CH" "$1" -f compose.yaml -f "$WORK/compose.limits.yaml" "${@:2}"
+    PROCTOR_GRPC_PORT="127.0.0.1:$CG" PROCTOR_HTTP_PORT="127.0.0.1:$CH" "$1" -f compose.yaml -f "$WORK/compose.limits.yaml" "${@:2}"
 }
 (cd deploy/compose && compose_env "$COMPOSE" --profile cpu up -d --no-deps teacher-cpu >"$WORK/compose-up.log" 2>&1) \
   || { cat "$WORK/compose-up.log"; exit 1; }
@@ -203,7 +209,9 @@ check prom "http://127.0.0.1:$P" --timeout 120
 
 (cd deploy/compose && compose_env "$COMPOSE" --profile cpu run --rm --no-deps verify) >"$WORK/verify.log" 2>&1 \
   || { echo "container check: compose's verify service failed:" >&2; cat "$WORK/verify.log" >&2; exit 1; }
-echo "verify: compose's verify service exits 0 ($(grep -c . "$WORK/verify.log") lines of report)"
+echo "verify: compose's verify service (proctor verify --target grpc://teacher:50051) exits 0:"
+grep -v -e 'level=' -e 'TTY' "$WORK/verify.log" | sed 's/^/    /'
+
 (cd deploy/compose && compose_env "$COMPOSE" --profile cpu stop teacher-cpu >/dev/null 2>&1)
 code=$(podman inspect --format '{{.State.ExitCode}}' "$teacher")
 [ "$code" = 0 ] || { echo "container check: compose stop: teacher exited $code" >&2; exit 1; }
