@@ -1,15 +1,31 @@
 # syntax=docker/dockerfile:1.7
 #
-# Proctor teacher-scoring server images. Three targets, one per kind of node:
+# Proctor teacher-scoring server images. Three targets, one per kind of node, each built for the
+# CPU architectures its nodes have (deploy/README.md "Images" has the whole procedure):
 #
-#   docker build --target cpu    -t proctor:0.1.0-cpu    .   # torch engine, CPU only
-#   docker build --target cuda   -t proctor:0.1.0-cuda   .   # vLLM (vLLM-Omni with build args), NVIDIA GPUs
-#   docker build --target ascend -t proctor:0.1.0-ascend .   # vllm-ascend + torch-npu, Ascend NPUs (A3 / 910C)
+#   docker build --target cpu -t proctor:0.1.0-cpu \
+#       --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu .
+#   docker buildx build --platform linux/amd64 --target cuda \
+#       -t <registry>/proctor:0.1.0-cuda --push .                     # vLLM, NVIDIA GPUs (x86 nodes)
+#   docker buildx build --platform linux/arm64,linux/amd64 --target ascend \
+#       -t <registry>/proctor:0.1.0-ascend --push .                   # Ascend NPUs: A3 / 910C hosts are arm64
 #
-# NOTE: these images have NOT been built on the machine this file was written on: it has a
-# docker client but no engine. What is checked there (tests/test_deploy.py) is hadolint and
-# structural assertions. The `cpu` target is kept buildable by construction: it runs the very
-# install commands CI runs (`pip install torch==2.13.0`, CPU wheel, then `pip install ".[server]"`).
+# podman builds the same: `podman build --format docker ...` (--format docker keeps the HEALTHCHECK,
+# which OCI image configs drop), and for two platforms
+# `podman build --platform linux/arm64,linux/amd64 --manifest <registry>/proctor:0.1.0-ascend ...`
+# then `podman manifest push`.
+#
+# What has run: the cpu target, built with podman and run by scripts/container_check.sh (CI runs
+# it): served over gRPC and HTTP with the host's scores, healthy, read-only root, no capabilities,
+# exit 0 on SIGTERM with requests in flight. Without Docker Hub, its base image is given with
+# --build-arg PYTHON_IMAGE=<a Debian bookworm image with python3, python3-venv> (the script makes
+# one with mmdebstrap). The cuda and ascend targets have NOT been built: no GPU, NPU or arm64
+# machine, and their base images are not reachable here.
+#
+# The images bind 0.0.0.0 and take their bearer token from PROCTOR_AUTH_TOKEN or
+# PROCTOR_AUTH_TOKEN_FILE (a mounted secret); they set no opt-out, so without a token proctor
+# refuses to serve on a non-loopback address. Running without auth is an explicit choice:
+# -e PROCTOR_ALLOW_UNAUTHENTICATED=1.
 #
 # Every image: non-root user `proctor` (uid 10001), ports 50051 (gRPC) and 8000 (HTTP),
 # HEALTHCHECK on GET /health/live, ENTRYPOINT proctor, CMD serve --config /etc/proctor/config.yaml.
@@ -29,18 +45,28 @@ ARG ASCEND_BASE_IMAGE=quay.io/ascend/vllm-omni:v0.18.0-a3
 # --------------------------------------------------------------------------------------------
 FROM ${PYTHON_IMAGE} AS cpu-build
 ARG TORCH_VERSION=2.13.0
-# The index that serves PyTorch's CPU-only wheels (PyTorch's own "whl/cpu" index); give it with
-# --build-arg TORCH_INDEX_URL=... (required: a plain `torch` from the default index is the CUDA build).
+# The index that serves PyTorch's CPU-only wheels (PyTorch's own "whl/cpu" index, or a copy of it);
+# give it with --build-arg TORCH_INDEX_URL=... (required: a plain `torch` from the default index
+# is the CUDA build, with several GB of nvidia-* wheels).
 ARG TORCH_INDEX_URL=""
+# A CA bundle for pip behind a TLS-inspecting proxy, at a path the build mounts (podman build
+# -v host.crt:/path:ro --build-arg PIP_CERT=/path). Unset by default: pip's own bundle. Only
+# this build stage sees it.
+ARG PIP_CERT
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONDONTWRITEBYTECODE=1
-RUN python -m venv /opt/venv
+# python3, not python: a base image made from Debian packages has no `python` command.
+RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 # Same two steps as scripts/install.sh and CI: the CPU torch first (a plain `torch` would pull
 # the multi-GB CUDA build), then the server extra, which then finds torch already satisfied.
 RUN test -n "${TORCH_INDEX_URL}" || { echo "pass --build-arg TORCH_INDEX_URL=<PyTorch CPU wheel index>" >&2; exit 1; }
-RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
+# An extra index, so torch's own dependencies still come from the default one: pip takes the
+# highest version, and the CPU index's `2.13.0+cpu` sorts above the default index's `2.13.0`.
+# The check after it fails the build if a CUDA build came in all the same.
+RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --extra-index-url "${TORCH_INDEX_URL}" \
+    && python -W ignore -c "import sys, torch; sys.exit(f'torch {torch.__version__} is a CUDA build' if torch.version.cuda else 0)"
 WORKDIR /src
 COPY . /src
 # hadolint ignore=DL3013

@@ -36,7 +36,9 @@ ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 COMPOSE_DIR = DEPLOY / "compose"
 K8S = DEPLOY / "k8s"
-OVERLAYS = ("nvidia", "ascend")
+OVERLAYS = ("nvidia", "ascend")  # one node, a Deployment
+MULTINODE = "nvidia-multinode"  # a LeaderWorkerSet over nodes
+CUSTOM_KINDS = ("ServiceMonitor", "LeaderWorkerSet")
 PROFILES = ("ascend", "nvidia", "cpu")
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
@@ -93,6 +95,7 @@ CONFIGS = {
     "deploy/config/cpu.yaml": DEPLOY / "config" / "cpu.yaml",
     "deploy/k8s/base/proctor.yaml": K8S / "base" / "proctor.yaml",
     "deploy/k8s/overlays/nvidia/proctor.yaml": K8S / "overlays" / "nvidia" / "proctor.yaml",
+    "deploy/k8s/overlays/nvidia-multinode/proctor.yaml": K8S / "overlays" / "nvidia-multinode" / "proctor.yaml",
 }
 
 
@@ -326,10 +329,38 @@ KUBECTL_INSTALL = (
 
 @cache
 def _rendered(overlay: str) -> tuple[dict, ...]:
+    return _kustomize(K8S / "overlays" / overlay)
+
+
+def _kustomize(path: Path) -> tuple[dict, ...]:
     kubectl = _tool("kubectl", KUBECTL_INSTALL)
-    r = _run([kubectl, "kustomize", str(K8S / "overlays" / overlay)], cwd=ROOT)
-    assert r.returncode == 0, f"kubectl kustomize overlays/{overlay} failed:\n{r.stderr}"
+    r = _run([kubectl, "kustomize", str(path)], cwd=ROOT)
+    assert r.returncode == 0, f"kubectl kustomize {path} failed:\n{r.stderr}"
     return tuple(d for d in yaml.safe_load_all(r.stdout) if d)
+
+
+def _render_edited(tmp: Path, overlay: str, edit) -> tuple[dict, ...]:
+    """An overlay rendered from a copy of deploy/k8s after `edit(path_of_the_copy's_overlay)`:
+    what an operator's change does (kustomize reads nothing outside its tree)."""
+    copy = tmp / "k8s"
+    shutil.copytree(K8S, copy)
+    edit(copy / "overlays" / overlay)
+    return _kustomize(copy / "overlays" / overlay)
+
+
+def _edit_yaml(path: Path, change) -> None:
+    doc = yaml.safe_load(path.read_text())
+    change(doc)
+    path.write_text(yaml.safe_dump(doc))
+
+
+def _add_component(overlay_dir: Path, name: str) -> None:
+    _edit_yaml(overlay_dir / "kustomization.yaml",
+               lambda k: k.setdefault("components", []).append(f"../../components/{name}"))
+
+
+def _values(overlay: str) -> dict:
+    return yaml.safe_load((K8S / "overlays" / overlay / "values.yaml").read_text())["spec"]
 
 
 def _one(overlay: str, kind: str) -> dict:
@@ -354,7 +385,8 @@ def _server_config(overlay: str) -> dict:
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_overlay_renders_the_expected_objects(overlay):
     kinds = sorted(d["kind"] for d in _rendered(overlay))
-    assert kinds == ["ConfigMap", "Deployment", "Job", "Service", "ServiceMonitor"]
+    assert kinds == ["ConfigMap", "Deployment", "Job", "Namespace", "Service"]
+    assert all(d["metadata"].get("namespace") == "proctor" for d in _rendered(overlay) if d["kind"] != "Namespace")
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -383,7 +415,7 @@ def test_overlay_validates_against_the_kubernetes_schemas(overlay):
     versions = sorted({kv.latest_version(), "1.30.0"})
     errors = []
     for obj in _rendered(overlay):
-        if obj["kind"] == "ServiceMonitor":  # a CRD: no schema in kubernetes-validate; see below
+        if obj["kind"] in CUSTOM_KINDS:  # CRDs: no schema in kubernetes-validate; see their own tests
             continue
         for version in versions:
             try:
@@ -406,8 +438,13 @@ def test_kubernetes_validation_rejects_an_invalid_deployment():
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_servicemonitor_scrapes_the_service_http_port(overlay):
-    sm, svc = _one(overlay, "ServiceMonitor"), _one(overlay, "Service")
+def test_servicemonitor_scrapes_the_service_http_port(overlay, tmp_path):
+    """The ServiceMonitor is a component: not in an overlay as shipped (apply -k works without the
+    Prometheus Operator's CRDs), and right when an operator adds it."""
+    assert not [d for d in _rendered(overlay) if d["kind"] == "ServiceMonitor"]
+    objs = _render_edited(tmp_path, overlay, lambda k: _add_component(k, "servicemonitor"))
+    (sm,) = [d for d in objs if d["kind"] == "ServiceMonitor"]
+    (svc,) = [d for d in objs if d["kind"] == "Service"]
     assert sm["apiVersion"] == "monitoring.coreos.com/v1"
     assert sm["metadata"]["name"]
     assert set(sm) <= {"apiVersion", "kind", "metadata", "spec"}
@@ -571,6 +608,173 @@ def test_ascend_overlay_requests_every_npu_and_mounts_the_host_driver():
     assert c["image"].endswith("-ascend")
 
 
+ALL_OVERLAYS = (*OVERLAYS, MULTINODE)
+
+
+def _pod_specs(overlay: str) -> list[tuple[str, dict]]:
+    """(what, pod template) of every workload the overlay renders."""
+    out = []
+    for obj in _rendered(overlay):
+        if obj["kind"] in ("Deployment", "Job"):
+            out.append((obj["kind"], obj["spec"]["template"]))
+        elif obj["kind"] == "LeaderWorkerSet":
+            lwt = obj["spec"]["leaderWorkerTemplate"]
+            out += [("leader", lwt["leaderTemplate"]), ("worker", lwt["workerTemplate"])]
+    return out
+
+
+@pytest.mark.parametrize("overlay", ALL_OVERLAYS)
+def test_every_image_is_registry_qualified_through_one_images_entry(overlay):
+    """A bare `proctor` would be pulled from Docker Hub: each overlay names the image once, in its
+    kustomization's `images:` (newName with a registry host, and the tag), and every container
+    of every workload gets exactly that."""
+    kustomization = yaml.safe_load((K8S / "overlays" / overlay / "kustomization.yaml").read_text())
+    (entry,) = kustomization["images"]
+    registry = entry["newName"].split("/")[0]
+    assert "/" in entry["newName"] and ("." in registry or ":" in registry or registry == "localhost"), entry
+    want = f"{entry['newName']}:{entry['newTag']}"
+    images = {c["image"] for _, pod in _pod_specs(overlay)
+              for c in pod["spec"]["containers"] + pod["spec"].get("initContainers", [])}
+    assert images == {want}
+
+
+@pytest.mark.parametrize("overlay", ALL_OVERLAYS)
+def test_every_pod_pins_the_architecture_its_image_is_built_for(overlay):
+    arch = _values(overlay)["nodeArchitecture"]
+    assert arch == {"ascend": "arm64"}.get(overlay, "amd64")  # Atlas A3 / 910C hosts are aarch64
+    for what, pod in _pod_specs(overlay):
+        assert pod["spec"]["nodeSelector"]["kubernetes.io/arch"] == arch, what
+
+
+@pytest.mark.parametrize("overlay", ALL_OVERLAYS)
+def test_verify_job_runs_beside_the_teacher(overlay):
+    """Required pod affinity to the teacher's pods on the same node, the node's tolerations and
+    architecture: it lands where the teacher (and its image) is."""
+    job = _one(overlay, "Job")["spec"]["template"]["spec"]
+    (term,) = job["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    teachers = [pod for what, pod in _pod_specs(overlay) if what in ("Deployment", "leader")]
+    (teacher,) = teachers
+    assert term["labelSelector"]["matchLabels"].items() <= teacher["metadata"]["labels"].items()
+    workers = [pod for what, pod in _pod_specs(overlay) if what == "worker"]
+    assert not any(term["labelSelector"]["matchLabels"].items() <= w["metadata"]["labels"].items() for w in workers)
+    assert teacher["spec"]["tolerations"] == job["tolerations"]
+
+
+@pytest.mark.parametrize("overlay", ALL_OVERLAYS)
+def test_namespace_pod_security_level_is_what_the_pods_need(overlay):
+    """hostPath volumes (the Ascend driver) are refused below `privileged`; the level comes from
+    values.yaml and is no higher than needed."""
+    (ns,) = [d for d in _rendered(overlay) if d["kind"] == "Namespace"]
+    level = ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"]
+    assert level == _values(overlay)["podSecurity"]
+    host_path = any("hostPath" in v for _, pod in _pod_specs(overlay) for v in pod["spec"].get("volumes", []))
+    assert level == ("privileged" if host_path else "restricted")
+
+
+def test_ascend_device_numbers_come_from_the_values_an_operator_sets(tmp_path):
+    """An operator's values.yaml (HwHiAiUser gid, device count and ids, architecture) reaches the
+    rendered pod: nothing of it is hard-coded in the manifests."""
+    def edit(overlay_dir: Path) -> None:
+        def change(v: dict) -> None:
+            v["spec"].update(deviceGroupId=1234, deviceCount=8, visibleDevices="0,1,2,3,4,5,6,7",
+                             nodeArchitecture="amd64")
+        _edit_yaml(overlay_dir / "values.yaml", change)
+
+    objs = _render_edited(tmp_path, "ascend", edit)
+    (dep,) = [d for d in objs if d["kind"] == "Deployment"]
+    (job,) = [d for d in objs if d["kind"] == "Job"]
+    pod = dep["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert pod["securityContext"]["supplementalGroups"] == [1234]
+    assert c["resources"]["limits"]["huawei.com/Ascend910"] == 8
+    assert env["ASCEND_RT_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7"
+    assert pod["nodeSelector"]["kubernetes.io/arch"] == job["spec"]["template"]["spec"]["nodeSelector"][
+        "kubernetes.io/arch"] == "amd64"
+    assert not [d for d in objs if d["kind"] == "Values"], "values.yaml is local-config, never applied"
+
+
+def test_nvidia_gpu_count_comes_from_the_values_an_operator_sets(tmp_path):
+    def edit(overlay_dir: Path) -> None:
+        _edit_yaml(overlay_dir / "values.yaml", lambda v: v["spec"].update(gpuCount=4))
+
+    (dep,) = [d for d in _render_edited(tmp_path, "nvidia", edit) if d["kind"] == "Deployment"]
+    assert dep["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 4
+
+
+# A replica spanning nodes: the LeaderWorkerSet overlay.
+
+
+def _lws() -> dict:
+    return _one(MULTINODE, "LeaderWorkerSet")
+
+
+def test_multinode_overlay_replaces_the_deployment_with_a_leaderworkerset():
+    kinds = sorted(d["kind"] for d in _rendered(MULTINODE))
+    assert kinds == ["ConfigMap", "Job", "LeaderWorkerSet", "Namespace", "Service"]
+    lws = _lws()
+    assert lws["apiVersion"] == "leaderworkerset.x-k8s.io/v1"
+    lwt = lws["spec"]["leaderWorkerTemplate"]
+    assert set(lwt) <= {"size", "restartPolicy", "leaderTemplate", "workerTemplate", "subGroupPolicy"}
+    assert lwt["restartPolicy"] == "RecreateGroupOnPodRestart"
+    assert set(lws["spec"]) <= {"replicas", "startupPolicy", "leaderWorkerTemplate", "rolloutStrategy",
+                                "networkConfig"}
+    # Workers must start with the leader: the leader is Ready only once they have joined Ray.
+    assert lws["spec"]["startupPolicy"] == "LeaderCreated"
+
+
+def test_multinode_group_is_the_configs_nodes_and_devices():
+    """One pod per node of the config (size == nnodes), each taking n_gpus_per_node GPUs; the
+    config's one replica needs more devices than a node has (so it spans them), over Ray."""
+    lwt = _lws()["spec"]["leaderWorkerTemplate"]
+    config = _server_config(MULTINODE)
+    d = config["distillation"]
+    assert lwt["size"] == d["nnodes"] == 2 and config["server"]["ray"]["enabled"] is True
+    (teacher,) = d["teacher_models"].values()
+    inf = teacher["inference"]
+    assert inf["tensor_model_parallel_size"] * inf.get("pipeline_model_parallel_size", 1) > d["n_gpus_per_node"]
+    for what in ("leaderTemplate", "workerTemplate"):
+        (c,) = lwt[what]["spec"]["containers"]
+        assert int(c["resources"]["limits"]["nvidia.com/gpu"]) == d["n_gpus_per_node"] == _values(MULTINODE)[
+            "gpuCount"]
+
+
+def test_multinode_leader_serves_and_workers_join_its_ray_head():
+    lwt = _lws()["spec"]["leaderWorkerTemplate"]
+    (leader,) = lwt["leaderTemplate"]["spec"]["containers"]
+    (worker,) = lwt["workerTemplate"]["spec"]["containers"]
+    lead = " ".join(leader["args"])
+    assert re.search(r"ray start --head --port=(\d+)", lead)
+    port = re.search(r"ray start --head --port=(\d+)", lead).group(1)
+    # proctor replaces the shell (exec), so SIGTERM reaches it and it drains.
+    assert "&& exec proctor serve --config /etc/proctor/config.yaml --host 0.0.0.0" in lead
+    assert f'ray start --address="${{LWS_LEADER_ADDRESS}}:{port}" --block' in " ".join(worker["args"])
+    svc = _one(MULTINODE, "Service")
+    selector = svc["spec"]["selector"].items()
+    assert selector <= lwt["leaderTemplate"]["metadata"]["labels"].items()
+    assert not selector <= lwt["workerTemplate"]["metadata"]["labels"].items()
+    assert {p["name"]: p["containerPort"] for p in leader["ports"]}.items() >= {"grpc": GRPC_PORT,
+                                                                                  "http": HTTP_PORT}.items()
+    assert leader["readinessProbe"]["httpGet"]["path"] == HEALTH_READY
+
+
+def test_multinode_pod_templates_validate_against_the_kubernetes_schemas():
+    """LeaderWorkerSet is a CRD: its two pod templates are checked as a Deployment's template."""
+    kv = _import("kubernetes_validate", "pip install 'kubernetes-validate>=1.30'")
+    lwt = _lws()["spec"]["leaderWorkerTemplate"]
+    for what in ("leaderTemplate", "workerTemplate"):
+        template = lwt[what]
+        labels = template["metadata"]["labels"]
+        dep = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "check"},
+               "spec": {"selector": {"matchLabels": labels}, "template": template}}
+        kv.validate(dep, kv.latest_version(), strict=True)
+        spec, (c,) = template["spec"], template["spec"]["containers"]
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
+        assert c["securityContext"]["readOnlyRootFilesystem"] is True
+
+
 # --------------------------------------------------------------------------------------------
 # Dockerfile
 # --------------------------------------------------------------------------------------------
@@ -704,15 +908,63 @@ def test_dockerfile_cpu_target_installs_like_ci():
         1
     )
     assert torch_version == "2.13.0"
-    # The CPU wheel index comes in as a build argument (no registry host is written into the repo).
-    assert "TORCH_INDEX_URL" in stage_args and "--index-url" in runs[torch_step]
-    assert "TORCH_INDEX_URL" in runs[torch_step]
-    install_sh = ROOT / "scripts" / "install.sh"
-    if install_sh.exists():
-        pinned = set(re.findall(r"torch==([\w.]+)", install_sh.read_text()))
-        assert pinned <= {torch_version}, (
-            f"scripts/install.sh pins torch {pinned}, the Dockerfile {torch_version}"
-        )
+    # The CPU wheel index comes in as a build argument, added to the default index (torch's own
+    # dependencies come from there); a CUDA build that came in all the same fails the build.
+    assert "TORCH_INDEX_URL" in stage_args
+    assert re.search(r'--extra-index-url "\$\{TORCH_INDEX_URL\}"', runs[torch_step])
+    assert "torch.version.cuda" in runs[torch_step]
+    install_sh = (ROOT / "scripts" / "install.sh").read_text()
+    assert re.search(r"^TORCH_VERSION=([\w.]+)$", install_sh, re.MULTILINE).group(1) == torch_version
+
+
+def _build_commands(path: Path) -> list[str]:
+    """The `... build ... --target X` commands a file shows (comments or code blocks), with
+    continuation lines joined."""
+    lines = [re.sub(r"^\s*#?\s*", "", ln) for ln in path.read_text().splitlines()]
+    joined, buf = [], ""
+    for ln in lines:
+        buf += ln
+        if buf.endswith("\\"):
+            buf = buf[:-1] + " "
+            continue
+        joined.append(buf)
+        buf = ""
+    return [ln for ln in joined if re.search(r"\bbuild\b.*--target \w+", ln)]
+
+
+DOCUMENTED = ("Dockerfile", "deploy/compose/compose.yaml", "deploy/README.md")
+
+
+@pytest.mark.parametrize("doc", DOCUMENTED)
+def test_documented_build_commands_work_as_written(doc):
+    """The cpu target stops at its first check without TORCH_INDEX_URL: every cpu build command
+    shown passes it. Where a file shows cuda / ascend builds for a registry, they name the
+    platforms of the nodes (amd64; arm64 and amd64 for Ascend A3)."""
+    commands = _build_commands(ROOT / doc)
+    assert any("--target cpu" in c for c in commands), doc
+    for c in commands:
+        if "--target cpu" in c:
+            assert "--build-arg TORCH_INDEX_URL=" in c, c
+        if "--platform" in c and "--target cuda" in c:
+            assert "--platform linux/amd64" in c, c
+        if "--platform" in c and "--target ascend" in c:
+            assert re.search(r"--platform (linux/arm64,linux/amd64|linux/amd64,linux/arm64)", c), c
+    if doc != "deploy/compose/compose.yaml":
+        assert any("--platform" in c and "--target ascend" in c for c in commands), doc
+
+
+def test_cpu_image_needs_no_docker_hub_and_sets_no_auth_opt_out():
+    """The base image is a build argument (a Debian-made one where Docker Hub is unreachable); the
+    default stays the official Python image. The image does not opt out of the token rule."""
+    args, stages, bases = _stages()
+    assert bases["cpu"] == bases["cpu-build"] == "${PYTHON_IMAGE}"
+    assert args["PYTHON_IMAGE"].startswith("python:3.11")
+    build_runs = [rest for w, rest in stages["cpu-build"] if w == "RUN"]
+    assert not any(re.match(r"python\s", r) for r in build_runs), "a Debian base has python3, not python"
+    text = DOCKERFILE.read_text()
+    assert "PROCTOR_ALLOW_UNAUTHENTICATED=1" not in " ".join(rest for _, rest in _instructions())
+    assert "--allow-unauthenticated" not in " ".join(rest for _, rest in _instructions())
+    assert "PROCTOR_ALLOW_UNAUTHENTICATED" in text  # the header says how to opt out explicitly
 
 
 def _dockerignored(path: str, patterns: list[str]) -> bool:
