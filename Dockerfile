@@ -4,7 +4,7 @@
 # CPU architectures its nodes have (deploy/README.md "Images" has the whole procedure):
 #
 #   docker build --target cpu -t proctor:0.1.0-cpu \
-#       --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu .
+#       --build-arg TORCH_INDEX_URL=<PyTorch's CPU wheel index> .
 #   docker buildx build --platform linux/amd64 --target cuda \
 #       -t <registry>/proctor:0.1.0-cuda --push .                     # vLLM, NVIDIA GPUs (x86 nodes)
 #   docker buildx build --platform linux/arm64,linux/amd64 --target ascend \

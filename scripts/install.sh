@@ -9,9 +9,9 @@
 #
 # torch comes first, and only a CPU build: a plain `pip install torch==2.13.0` from the default
 # index resolves the CUDA build and its nvidia-* wheels (several GB). What pip would install is
-# asked first (a dry run); where that is not a `+cpu` build, PyTorch's CPU wheel index is added
-# (TORCH_INDEX_URL overrides it, e.g. a mirror of it); where no CPU build is reachable the script
-# stops with a message instead of pulling CUDA.
+# asked first (a dry run); where that is not a `+cpu` build, the index in TORCH_INDEX_URL (PyTorch's
+# CPU wheel index, as PyTorch's install page names it, or a mirror of it) is added; where no CPU
+# build is reachable the script stops with a message instead of pulling CUDA.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-full}
@@ -24,7 +24,7 @@ python=${PYTHON:-python3}
 py=.venv/bin/python
 pip="$py -m pip"
 TORCH_VERSION=2.13.0
-TORCH_CPU_INDEX=${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}
+TORCH_CPU_INDEX=${TORCH_INDEX_URL:-}
 
 # The torch release pip would install with the given extra arguments ("" when none or unknown):
 # a dry run reads the wheel's metadata, it installs nothing.
@@ -41,7 +41,7 @@ install_cpu_torch() {
   # --dry-run --report needs pip >= 22.2; an older venv pip is upgraded first.
   $pip install -q --upgrade "pip>=23.1"
   version=$(resolved_torch)
-  if [ "$version" != "$TORCH_VERSION+cpu" ]; then
+  if [ "$version" != "$TORCH_VERSION+cpu" ] && [ -n "$TORCH_CPU_INDEX" ]; then
     extra=(--extra-index-url "$TORCH_CPU_INDEX")
     version=$(resolved_torch "${extra[@]}")
   fi
@@ -49,8 +49,9 @@ install_cpu_torch() {
     cat >&2 <<EOF
 scripts/install.sh: no CPU build of torch $TORCH_VERSION is reachable (pip would install
 '${version:-nothing}', the CUDA build with several GB of nvidia-* wheels, or found none).
-PyTorch's CPU wheel index ($TORCH_CPU_INDEX) did not answer. Point TORCH_INDEX_URL at a
-reachable copy of it, or put torch-$TORCH_VERSION+cpu into .venv yourself, then run this again.
+Set TORCH_INDEX_URL to PyTorch's CPU wheel index (its install page, "CPU", names it) or a
+reachable copy of it (now: '${TORCH_CPU_INDEX:-unset}'), or put torch-$TORCH_VERSION+cpu into
+.venv yourself, then run this again.
 EOF
     exit 1
   fi
