@@ -296,8 +296,7 @@ class TorchEngine(TeacherEngine):
         scores = score_rows(lambda h: transforms.apply(head(h)), rows, targets,
                             topk=max(batch[i].topk for i in wanted),
                             temperatures=_row_temperatures([batch[i] for i in wanted], rows.device),
-                            score_ids=None if score_ids is None else score_ids.to(rows.device),
-                            ranks=any(batch[i].ranks for i in wanted))
+                            score_ids=None if score_ids is None else score_ids.to(rows.device), ranks=any(batch[i].ranks for i in wanted))
         sizes = [states[i].shape[0] for i in wanted]
 
         def split(tensor: torch.Tensor | None) -> list:
@@ -309,8 +308,7 @@ class TorchEngine(TeacherEngine):
             request, result = batch[index], results[index]
             if request.logprobs:
                 result.logprobs = lp.clone()
-                if request.ranks:
-                    result.ranks = ranks.to(torch.int64)
+                result.ranks = ranks.to(torch.int64) if request.ranks else None
             if request.topk:
                 result.topk_logprobs = top_values[:, : request.topk].contiguous()
                 result.topk_ids = top_ids[:, : request.topk].contiguous()
