@@ -105,7 +105,7 @@ def main() -> None:
     parser.add_argument("--topk", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
-    from proctor.server.tiny_model import STUDENT_SEED, STUDENT_VOCAB_SIZE, make_tiny_model
+    from proctor.server.cli.tiny_model import STUDENT_SEED, STUDENT_VOCAB_SIZE, make_tiny_model
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

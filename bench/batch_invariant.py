@@ -74,7 +74,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="the tiny teacher only, 2 rounds")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    from proctor.server.tiny_model import make_tiny_model
+    from proctor.server.cli.tiny_model import make_tiny_model
 
     teachers = {"tiny (h64, 2 layers, V512)": dict(hidden_size=64, num_layers=2, vocab_size=512)}
     if not args.quick:

@@ -25,12 +25,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from proctor.client import TeacherClient
+from proctor.server.cli.tiny_model import ensure_default_model
 from proctor.server.engines.base import EngineSpec
 from proctor.server.engines.factory import create_engine
-from proctor.server.front.routing import Replica, ReplicaSet, Router
-from proctor.server.runtime import ServerThread
-from proctor.server.settings import ServerOptions
-from proctor.server.tiny_model import ensure_default_model
+from proctor.server.front.fleet.routing import Replica, ReplicaSet, Router
+from proctor.server.front.runtime import ServerThread
+from proctor.server.front.settings import ServerOptions
 from proctor.trainer_adapter.rollout import RolloutSample, RolloutScorer
 
 from support.engines import InjectedEngine

@@ -32,7 +32,7 @@ MODES = {
 
 
 def make_teacher(out: Path, quick: bool) -> Path:
-    from proctor.server.tiny_model import make_tiny_model
+    from proctor.server.cli.tiny_model import make_tiny_model
 
     if quick:
         return make_tiny_model(out, num_heads=2, num_kv_heads=1)

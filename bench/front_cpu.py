@@ -142,9 +142,9 @@ async def serve_front(replicas: int, model: str) -> None:
     from functools import partial
 
     from proctor.server.engines.base import EngineSpec
-    from proctor.server.front.routing import ReplicaSet, Router, engine_replica
-    from proctor.server.runtime import ProctorServer
-    from proctor.server.settings import ServerOptions
+    from proctor.server.front.fleet.routing import ReplicaSet, Router, engine_replica
+    from proctor.server.front.runtime import ProctorServer
+    from proctor.server.front.settings import ServerOptions
     from proctor.server.worker.client import WorkerClient
 
     from support.remembering import RememberingEngine
@@ -320,7 +320,7 @@ def main() -> None:
     if args.quick:
         args.seqs, args.length, args.rounds, args.capacity_requests = 16, 128, 1, 128
     print(f"load average at start {os.getloadavg()[0]:.2f}; {os.cpu_count()} CPUs")
-    from proctor.server.tiny_model import make_tiny_model
+    from proctor.server.cli.tiny_model import make_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model = make_tiny_model(Path(tmp) / "teacher", num_heads=2, num_kv_heads=1)

@@ -107,7 +107,7 @@ async def main():
     model = os.environ.get("MODEL")
     tmp = tempfile.mkdtemp()
     if not model:
-        from proctor.server.tiny_model import make_tiny_model
+        from proctor.server.cli.tiny_model import make_tiny_model
         model = str(make_tiny_model(f"{tmp}/teacher", hidden_size=256, num_layers=4, num_heads=4,
                                     num_kv_heads=2, intermediate_size=512))
     if os.environ.get("SKIP_VLLM") != "1":
@@ -170,7 +170,7 @@ async def main():
         from PIL import Image
         from transformers import AutoProcessor
         from proctor.server.engines.base import MediaItem, MultiModalInputs
-        from proctor.server.media import decode_media
+        from proctor.server.engines.media import decode_media
         processor = AutoProcessor.from_pretrained(omni)
         pixels = np.random.default_rng(0).integers(0, 256, (224, 280, 3), dtype=np.uint8)
         buffer = io.BytesIO()

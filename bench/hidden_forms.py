@@ -52,7 +52,7 @@ HIDDEN = 256
 # -- the teacher ------------------------------------------------------------------------------
 def text_generator(seed: int):
     """Sentences of a bigram chain over the tiny corpus's words, and arithmetic facts."""
-    from proctor.server.tiny_model import _CORPUS
+    from proctor.server.cli.tiny_model import _CORPUS
 
     words = re.findall(r"[A-Za-z']+|\d+|[^\sA-Za-z\d]", _CORPUS)
     follow: dict[str, list[str]] = {}
@@ -88,7 +88,7 @@ def trained_teacher(out: Path, seconds: float) -> tuple[Path, float, float]:
     """The H=256 tiny teacher trained for `seconds`: (its directory, first and last train loss)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from proctor.server.tiny_model import make_tiny_model
+    from proctor.server.cli.tiny_model import make_tiny_model
 
     path = make_tiny_model(out, hidden_size=HIDDEN, num_layers=2, num_heads=4, num_kv_heads=2,
                            intermediate_size=512, seed=1)
@@ -156,8 +156,8 @@ def part_one(path: Path, rank: int, count: int, length: int) -> None:
 
     from proctor.server.config import single_teacher_router
     from proctor.server.engines.base import EngineSpec
-    from proctor.server.runtime import ServerThread
-    from proctor.server.settings import ServerOptions
+    from proctor.server.front.runtime import ServerThread
+    from proctor.server.front.settings import ServerOptions
     from proctor.trainer_adapter.student import noisy_student
 
     tokenizer = AutoTokenizer.from_pretrained(path)

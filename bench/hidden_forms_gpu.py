@@ -69,7 +69,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
         if model is None:
-            from proctor.server.tiny_model import make_tiny_model
+            from proctor.server.cli.tiny_model import make_tiny_model
 
             model = str(make_tiny_model(tmp, hidden_size=256, num_heads=4, num_kv_heads=2, intermediate_size=512))
         asyncio.run(run(model, args.device, args.dtype, args.gpu_memory_utilization))

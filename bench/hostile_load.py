@@ -33,7 +33,7 @@ TOKEN = "bench-token"
 
 
 def _serve(workdir: Path) -> SubprocessServer:
-    from proctor.server.tiny_model import (
+    from proctor.server.cli.tiny_model import (
         STUDENT_SEED,
         STUDENT_VOCAB_SIZE,
         ensure_default_model,

@@ -45,7 +45,7 @@ def workload(model: Path, n: int, length: int):
     from transformers import AutoProcessor
 
     from proctor.server.engines.base import EngineRequest, MultiModalInputs
-    from proctor.server.media import decode_media
+    from proctor.server.engines.media import decode_media
 
     processor = AutoProcessor.from_pretrained(model)
     rng = np.random.default_rng(0)
@@ -137,7 +137,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as folder:
         model = args.model
         if model is None:
-            from proctor.server.tiny_multimodal import make_tiny_omni_thinker
+            from proctor.server.cli.tiny_multimodal import make_tiny_omni_thinker
 
             model = make_tiny_omni_thinker(Path(folder) / "thinker")
         for name in args.engines.split(","):

@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from proctor.server.cli.tiny_model import make_tiny_model
 from proctor.server.engines.base import EngineRequest, EngineSpec
 from proctor.server.engines.factory import create_engine
-from proctor.server.front.routing import Replica, ReplicaSet
-from proctor.server.tiny_model import make_tiny_model
+from proctor.server.front.fleet.routing import Replica, ReplicaSet
 
 from support.engines import InjectedEngine
 

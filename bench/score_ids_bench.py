@@ -181,7 +181,7 @@ async def main() -> None:
     args = parser.parse_args()
     if args.grpc:
         with tempfile.TemporaryDirectory() as tmp:
-            from proctor.server.tiny_model import make_tiny_model
+            from proctor.server.cli.tiny_model import make_tiny_model
 
             model = make_tiny_model(Path(tmp) / "teacher")  # the built-in tiny teacher (vocab 512)
             results = {name: await grpc_bench(name, model, args, 512) for name in args.engines.split(",")}

@@ -29,9 +29,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from proctor.proto import scoring_pb2, scoring_pb2_grpc
+from proctor.server.cli.tiny_model import make_tiny_model
 from proctor.server.engines.base import EngineRequest, EngineSpec
 from proctor.server.engines.factory import create_engine
-from proctor.server.tiny_model import make_tiny_model
 
 from support.servers import SubprocessServer
 

@@ -39,7 +39,7 @@ import psutil
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from proctor.server.tiny_model import make_tiny_model
+from proctor.server.cli.tiny_model import make_tiny_model
 
 from support.cpu import descendants_cpu, process_cpu
 from support.servers import SubprocessServer

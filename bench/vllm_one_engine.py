@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from proctor.client import TeacherClient
-from proctor.server.tiny_model import make_tiny_model
+from proctor.server.cli.tiny_model import make_tiny_model
 
 from support.servers import SubprocessServer, free_port
 

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class StudentTokenizer:
     """A student tokenizer the server loaded (ListTeachers): compare `fingerprint` with your own
-    tokenizer directory's (`proctor.server.fingerprint.model_fingerprint` digests the same files)."""
+    tokenizer directory's (`proctor.server.engines.fingerprint.model_fingerprint` digests the same files)."""
 
     key: str
     vocab_size: int

@@ -23,7 +23,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """The built-in default teacher (vocab 512, hidden 64, 2 layers, float32)."""
-    from proctor.server.tiny_model import make_tiny_model
+    from proctor.server.cli.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-teacher"))
 
@@ -31,7 +31,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def other_model_dir(tmp_path_factory) -> Path:
     """A second tiny teacher with different weights (multi-teacher routing)."""
-    from proctor.server.tiny_model import make_tiny_model
+    from proctor.server.cli.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("other-teacher"), seed=1, num_layers=1)
 
@@ -39,7 +39,7 @@ def other_model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_student_dir(tmp_path_factory) -> Path:
     """The tiny student: another byte-level tokenizer (other merges, vocab 400), its own weights."""
-    from proctor.server.tiny_model import STUDENT_SEED, STUDENT_VOCAB_SIZE, make_tiny_model
+    from proctor.server.cli.tiny_model import STUDENT_SEED, STUDENT_VOCAB_SIZE, make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-student"), vocab_size=STUDENT_VOCAB_SIZE,
                            seed=STUDENT_SEED, student_tokenizer=True)
@@ -50,8 +50,8 @@ def torch_server(tiny_model_dir):
     """A real gRPC + HTTP server on loopback with the torch engine on the tiny teacher."""
     from proctor.server.config import single_teacher_router
     from proctor.server.engines.base import EngineSpec
-    from proctor.server.runtime import ServerThread
-    from proctor.server.settings import ServerOptions
+    from proctor.server.front.runtime import ServerThread
+    from proctor.server.front.settings import ServerOptions
 
     spec = EngineSpec(name="torch", model_path=str(tiny_model_dir), max_topk=64)
     server = ServerThread(single_teacher_router(spec, name="tiny"), ServerOptions(grpc_port=0, http_port=0))

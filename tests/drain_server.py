@@ -8,8 +8,8 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from proctor.server.runtime import ProctorServer
-from proctor.server.settings import ServerOptions
+from proctor.server.front.runtime import ProctorServer
+from proctor.server.front.settings import ServerOptions
 
 from support.routers import slow_router
 

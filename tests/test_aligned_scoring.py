@@ -163,7 +163,7 @@ def test_json_answers_carry_the_aligned_fields_over_all_rows(server, toks):
 
 
 async def test_list_teachers_names_the_student_tokenizers_and_each_pairs_map(server, tiny_student_dir):
-    from proctor.server.fingerprint import model_fingerprint
+    from proctor.server.engines.fingerprint import model_fingerprint
 
     for transport in TRANSPORTS:
         async with TeacherClient(target(server, transport)) as client:
@@ -258,7 +258,7 @@ def test_a_student_tokenizer_that_cannot_be_loaded_stops_serve(tmp_path):
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "proctor.server.cli", "serve", "--grpc-port", "0", "--http-port", "0",
+    done = subprocess.run([sys.executable, "-m", "proctor.server.cli.main", "serve", "--grpc-port", "0", "--http-port", "0",
                            "--no-verbose", "--student-tokenizer", f"broken={tmp_path / 'missing'}"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 1

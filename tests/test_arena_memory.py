@@ -44,7 +44,7 @@ def _rss_shmem(pid: int) -> int:
 
 @pytest.fixture(scope="module")
 def wide_model_dir(tmp_path_factory):
-    from proctor.server.tiny_model import make_tiny_model
+    from proctor.server.cli.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("wide-teacher"), hidden_size=256, num_layers=1)
 

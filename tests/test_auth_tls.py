@@ -19,8 +19,8 @@ REQUEST = scoring_pb2.ScoreRequest(token_ids=[1, 2, 3], logprobs=True)
 def _server(model_dir, **options):
     from proctor.server.config import single_teacher_router
     from proctor.server.engines.base import EngineSpec
-    from proctor.server.runtime import ServerThread
-    from proctor.server.settings import ServerOptions
+    from proctor.server.front.runtime import ServerThread
+    from proctor.server.front.settings import ServerOptions
 
     spec = EngineSpec(name="torch", model_path=str(model_dir))
     return ServerThread(single_teacher_router(spec, name="tiny"), ServerOptions(grpc_port=0, http_port=0, **options))

@@ -15,9 +15,9 @@ import httpx
 import pytest
 
 from proctor.proto import scoring_pb2, scoring_pb2_grpc
+from proctor.server.front.runtime import ServerThread
 from proctor.server.front.service import Limits
-from proctor.server.runtime import ServerThread
-from proctor.server.settings import ServerOptions
+from proctor.server.front.settings import ServerOptions
 
 from support.routers import slow_router
 

@@ -159,7 +159,7 @@ def test_a_pinned_request_is_scored_by_that_replica_alone(two_replicas):
 
 
 def test_proctor_verify_prints_the_table_and_exits_0(two_replicas):
-    done = subprocess.run([sys.executable, "-m", "proctor.server.cli", "verify", "--target",
+    done = subprocess.run([sys.executable, "-m", "proctor.server.cli.main", "verify", "--target",
                            f"grpc://{two_replicas.grpc_target}"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "teacher inv (torch, batch-invariant)" in done.stdout and "threshold 0" in done.stdout

@@ -26,9 +26,9 @@ from proctor.client import TeacherClient
 from proctor.client.transports import TeacherError
 from proctor.server.config import single_teacher_router
 from proctor.server.engines.base import EngineRequest, EngineSpec
-from proctor.server.front.routing import ReplicaSet, ReplicaState, Router, engine_replica
-from proctor.server.runtime import ServerThread
-from proctor.server.settings import ServerOptions
+from proctor.server.front.fleet.routing import ReplicaSet, ReplicaState, Router, engine_replica
+from proctor.server.front.runtime import ServerThread
+from proctor.server.front.settings import ServerOptions
 from proctor.server.worker.client import WorkerClient
 
 from support.multimodal import (
@@ -51,7 +51,7 @@ TESTS = Path(__file__).resolve().parent
 
 @pytest.fixture(scope="module")
 def vl_dir(tmp_path_factory):
-    from proctor.server.tiny_multimodal import make_tiny_vl_model
+    from proctor.server.cli.tiny_multimodal import make_tiny_vl_model
 
     return make_tiny_vl_model(tmp_path_factory.mktemp("vl"))
 
@@ -163,7 +163,7 @@ async def test_a_poison_request_in_a_batch_of_eight_fails_alone_and_no_replica_i
 async def test_the_batch_holding_a_poison_request_is_split_and_its_mates_answered(vl_server, vl_dir, caplog):
     """The isolation itself, deterministic: eight requests submitted in one loop turn reach a
     replica's batcher as one batch (the batcher runs after the submitting tasks)."""
-    from proctor.server.media import decode_media
+    from proctor.server.engines.media import decode_media
 
     rng = np.random.default_rng(12)
     poison = Sample(f"User: {IMAGE} what is this?", images=[png(noise_image(rng, 56, 56))])
@@ -188,7 +188,7 @@ async def test_the_batch_holding_a_poison_request_is_split_and_its_mates_answere
     async def one_batch():
         return await asyncio.gather(*(replica.score(r) for r in requests), return_exceptions=True)
 
-    with caplog.at_level(logging.WARNING, logger="proctor.server.front.batch_isolation"):
+    with caplog.at_level(logging.WARNING, logger="proctor.server.front.fleet.batch_isolation"):
         outcomes = vl_server.call(one_batch())
     assert "a batch of 8 requests failed" in caplog.text and "RuntimeError" in caplog.text
     failed = [i for i, o in enumerate(outcomes) if isinstance(o, BaseException)]
@@ -248,7 +248,7 @@ async def test_an_out_of_memory_batch_is_answered_in_smaller_batches(oom_server,
     async def one_batch():  # sixteen in one loop turn: one batch of 16, which runs out of memory
         return await asyncio.gather(*(teacher.score(r) for r in requests), return_exceptions=True)
 
-    with caplog.at_level(logging.WARNING, logger="proctor.server.front.batch_isolation"):
+    with caplog.at_level(logging.WARNING, logger="proctor.server.front.fleet.batch_isolation"):
         outcomes = oom_server.call(one_batch())
     assert not [o for o in outcomes if isinstance(o, BaseException)], outcomes
     assert re.search(r"a batch of 16 requests failed \(.*OutOfMemoryError", caplog.text), caplog.text

@@ -13,7 +13,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from proctor.server.cli import app
+from proctor.server.cli.main import app
 from proctor.server.config import (
     ConfigError,
     check_config_command,
@@ -335,7 +335,7 @@ def test_config_replicas_start_together_in_a_fresh_process(tmp_path, tiny_model_
 
 def _serve(*args: str) -> subprocess.CompletedProcess:
     """`proctor serve ARGS` in a fresh process, as a user runs it."""
-    return subprocess.run([sys.executable, "-m", "proctor.server.cli", "serve", *args],
+    return subprocess.run([sys.executable, "-m", "proctor.server.cli.main", "serve", *args],
                           capture_output=True, text=True, timeout=120)
 
 
@@ -375,7 +375,7 @@ def test_shared_slots_without_a_readable_architecture_say_so_plainly(tmp_path):
 
 
 def test_serve_help_shows_the_address_and_port_defaults_uncut():
-    done = subprocess.run([sys.executable, "-m", "proctor.server.cli", "serve", "--help"],
+    done = subprocess.run([sys.executable, "-m", "proctor.server.cli.main", "serve", "--help"],
                           capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
     assert done.returncode == 0, done.stderr
     text = " ".join(done.stdout.split())

@@ -7,7 +7,7 @@ import json
 from PIL import Image
 from typer.testing import CliRunner
 
-from proctor.server.cli import app
+from proctor.server.cli.main import app
 from proctor.trainer_adapter.demo import run_demo
 from proctor.trainer_adapter.plot import _raster, _write_png
 

@@ -42,7 +42,7 @@ CUSTOM_KINDS = ("ServiceMonitor", "LeaderWorkerSet")
 PROFILES = ("ascend", "nvidia", "cpu")
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
-# The metric names the server exports (server/metrics.py): family name -> type.
+# The metric names the server exports (server/common/metrics.py): family name -> type.
 PROCTOR_METRICS = {
     "proctor:requests": "counter",
     "proctor:scored_tokens": "counter",
@@ -1003,7 +1003,7 @@ def test_docker_build_context_has_what_the_dockerfile_copies():
                 assert not _dockerignored(src, patterns), f"{stage}: COPY {src}: excluded by .dockerignore"
     pyproject = (ROOT / "pyproject.toml").read_text()
     readme = re.search(r'^readme\s*=\s*"([^"]+)"', pyproject, re.MULTILINE)
-    needed = ["pyproject.toml", "server/cli.py", "proto/scoring.proto", "client/__init__.py"]
+    needed = ["pyproject.toml", "server/cli/main.py", "proto/scoring.proto", "client/__init__.py"]
     needed += [readme.group(1)] if readme else []
     for path in needed:
         assert not _dockerignored(path, patterns), f"{path} is excluded from the build context"
@@ -1061,10 +1061,10 @@ def _metric_names(expr: str) -> list[str]:
 
 
 def _exported_series() -> set[str]:
-    """Series names the server exports, from server/metrics.py when importable, else the spec list."""
+    """Series names the server exports, from server/common/metrics.py when importable, else the spec list."""
     families = dict(PROCTOR_METRICS)
     try:
-        from proctor.server.metrics import Metrics
+        from proctor.server.common.metrics import Metrics
     except ImportError:
         Metrics = None
     if Metrics is not None:

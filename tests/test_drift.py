@@ -17,8 +17,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from proctor.server.engines.base import EngineSpec
-from proctor.server.front.drift import DriftSettings
-from proctor.server.front.routing import Replica, ReplicaSet, ReplicaState
+from proctor.server.front.fleet.drift import DriftSettings
+from proctor.server.front.fleet.routing import Replica, ReplicaSet, ReplicaState
 
 from support.perturbed import perturbed_copy
 from support.routers import replica_router
@@ -110,7 +110,7 @@ def test_list_teachers_and_health_show_the_degraded_replica(drifting, first_degr
 
 
 def test_proctor_verify_exits_1_naming_the_perturbed_replica(drifting, first_degraded):
-    done = subprocess.run([sys.executable, "-m", "proctor.server.cli", "verify", "--target",
+    done = subprocess.run([sys.executable, "-m", "proctor.server.cli.main", "verify", "--target",
                            f"grpc://{drifting.grpc_target}"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 1, done.stdout + done.stderr
     rows = {line.split()[0]: [float(v) for v in line.split()[1:]]

@@ -30,7 +30,7 @@ CHUNKED = {"enable_chunked_prefill": True, "max_num_batched_tokens": 128, "max_n
 
 @pytest.fixture(scope="module", params=["qwen2", "gemma2", "granite"])
 def family(request, tmp_path_factory):
-    from proctor.server.tiny_model import make_tiny_model
+    from proctor.server.cli.tiny_model import make_tiny_model
 
     return request.param, make_tiny_model(tmp_path_factory.mktemp(f"exact-{request.param}"), family=request.param)
 
@@ -109,7 +109,7 @@ async def test_torch_engine_refuses_a_model_whose_logits_it_cannot_reproduce(tmp
     not read) is refused at start, naming the reason, never scored wrongly."""
     import json
 
-    from proctor.server.tiny_model import make_tiny_model
+    from proctor.server.cli.tiny_model import make_tiny_model
 
     model_dir = make_tiny_model(tmp_path / "gemma", family="gemma2")
     engine = create_engine(EngineSpec(name="torch", model_path=str(model_dir), dtype="float32"))

@@ -6,7 +6,7 @@ import concurrent.futures
 import threading
 import time
 
-from proctor.server.front.routing import ReplicaState
+from proctor.server.front.fleet.routing import ReplicaState
 
 from support.reference import assert_matches_reference
 from support.routers import InjectedReplicas

@@ -11,9 +11,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proctor.server.engines.base import EngineSpec
 from proctor.server.engines.factory import create_engine
-from proctor.server.front.routing import Replica, ReplicaSet, Router
-from proctor.server.runtime import ServerThread
-from proctor.server.settings import ServerOptions
+from proctor.server.front.fleet.routing import Replica, ReplicaSet, Router
+from proctor.server.front.runtime import ServerThread
+from proctor.server.front.settings import ServerOptions
 
 from support.engines import InjectedEngine
 

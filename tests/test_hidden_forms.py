@@ -24,8 +24,8 @@ def projected_server(tiny_model_dir):
     """The tiny teacher with a hidden-state projection of rank H/8."""
     from proctor.server.config import single_teacher_router
     from proctor.server.engines.base import EngineSpec
-    from proctor.server.runtime import ServerThread
-    from proctor.server.settings import ServerOptions
+    from proctor.server.front.runtime import ServerThread
+    from proctor.server.front.settings import ServerOptions
 
     spec = EngineSpec(name="torch", model_path=str(tiny_model_dir), inference={"hidden_projection_rank": RANK})
     # Small stream chunks: a streamed answer of a few rows comes in several pieces.

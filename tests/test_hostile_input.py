@@ -23,7 +23,7 @@ import pytest
 from proctor.client import RetryPolicy, TeacherClient
 from proctor.client.transports import PayloadTooLarge
 from proctor.proto import scoring_pb2, scoring_pb2_grpc
-from proctor.server.errors import Code
+from proctor.server.common.errors import Code
 
 from support.servers import poll_live_while
 
@@ -46,8 +46,8 @@ def limited(tiny_model_dir):
     """A server with a bearer token and a 1 MiB message limit (size and auth cases)."""
     from proctor.server.config import single_teacher_router
     from proctor.server.engines.base import EngineSpec
-    from proctor.server.runtime import ServerThread
-    from proctor.server.settings import ServerOptions
+    from proctor.server.front.runtime import ServerThread
+    from proctor.server.front.settings import ServerOptions
 
     spec = EngineSpec(name="torch", model_path=str(tiny_model_dir))
     options = ServerOptions(grpc_port=0, http_port=0, auth_token=TOKEN, max_message_bytes=LIMIT)
@@ -203,7 +203,7 @@ def test_yaml_alias_bomb_and_deep_documents_are_refused(tmp_path):
 
     bomb = tmp_path / "bomb.yaml"
     bomb.write_text(BILLION_LAUGHS)
-    checked = subprocess.run([sys.executable, "-m", "proctor.server.cli", "check-config", str(bomb)],
+    checked = subprocess.run([sys.executable, "-m", "proctor.server.cli.main", "check-config", str(bomb)],
                              capture_output=True, text=True, timeout=120)
     assert checked.returncode == 1 and "aliases are expanded" in checked.stdout, checked.stdout + checked.stderr
     deep = tmp_path / "deep.yaml"

@@ -82,7 +82,7 @@ def test_an_oversized_aligned_request_is_refused_in_milliseconds_naming_the_fiel
     the rule timed on the server's own teacher pair, the round trip (the body's transport and parse,
     the same for any request of its size) bounded. Before, these took 85.7 s (30 MiB), 5.8 s (100k
     messages) and 21 s (4M ids) of the server's event loop."""
-    from proctor.server.errors import ScoringError
+    from proctor.server.common.errors import ScoringError
     from proctor.server.front.aligned_request import check_sizes, plan_aligned
 
     message, field = attack_message(attack)
@@ -309,7 +309,7 @@ def _serve(args: list[str], env: dict[str, str], wait: float = 120) -> subproces
     """`proctor serve` with `env`: its exit when it refuses to start, or "started" (then stopped)."""
     import os
 
-    proc = subprocess.Popen([sys.executable, "-m", "proctor.server.cli", "serve", "--grpc-port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "proctor.server.cli.main", "serve", "--grpc-port", "0",
                              "--http-port", "0", *args], env={**os.environ, **env}, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:

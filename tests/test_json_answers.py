@@ -9,10 +9,10 @@ import httpx
 import pytest
 import torch
 
+from proctor.server.common.metrics import Metrics
 from proctor.server.engines.base import EngineResult
 from proctor.server.front.responses import JSON_INLINE_VALUES, Responses
 from proctor.server.front.service import ScoredRequest
-from proctor.server.metrics import Metrics
 from proctor.server.worker.wire import encode_result
 
 from support.reference import reference_rows

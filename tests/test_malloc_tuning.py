@@ -14,7 +14,7 @@ import pytest
 
 _CHURN = """
 import random, resource, sys
-from proctor.server.malloc_tuning import keep_large_buffers
+from proctor.server.common.malloc_tuning import keep_large_buffers
 tuned = keep_large_buffers() if sys.argv[1] == "tuned" else None
 rng = random.Random(0)
 part = b"x" * (2 << 20)

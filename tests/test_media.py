@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from proctor.server.engines.base import MediaItem, MultiModalInputs
-from proctor.server.media import decode_audio, decode_image, decode_video, multi_modal_data
+from proctor.server.engines.media import decode_audio, decode_image, decode_video, multi_modal_data
 
 
 def _png(size=(6, 4), color=(10, 200, 30), fmt="PNG") -> bytes:

@@ -15,9 +15,9 @@ import pytest
 from proctor.proto import scoring_pb2, scoring_pb2_grpc
 from proctor.proto.codec import decode_tensor
 from proctor.server.engines.base import EngineSpec
-from proctor.server.front.routing import Replica, ReplicaSet, Router
+from proctor.server.engines.media import MediaLimits
+from proctor.server.front.fleet.routing import Replica, ReplicaSet, Router
 from proctor.server.front.service import Limits
-from proctor.server.media import MediaLimits
 
 from support.engines import MediaTakingEngine
 from support.reference import assert_matches_reference

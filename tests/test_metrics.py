@@ -14,8 +14,8 @@ from proctor.proto import scoring_pb2, scoring_pb2_grpc
 def fresh_server(tiny_model_dir):
     from proctor.server.config import single_teacher_router
     from proctor.server.engines.base import EngineSpec
-    from proctor.server.runtime import ServerThread
-    from proctor.server.settings import ServerOptions
+    from proctor.server.front.runtime import ServerThread
+    from proctor.server.front.settings import ServerOptions
 
     spec = EngineSpec(name="torch", model_path=str(tiny_model_dir))
     with ServerThread(single_teacher_router(spec, name="tiny"), ServerOptions(grpc_port=0, http_port=0)) as server:
@@ -60,8 +60,8 @@ def test_counts_after_known_traffic_are_exact(fresh_server):
 def test_metrics_can_also_be_served_on_their_own_port(tiny_model_dir):
     from proctor.server.config import single_teacher_router
     from proctor.server.engines.base import EngineSpec
-    from proctor.server.runtime import ServerThread
-    from proctor.server.settings import ServerOptions
+    from proctor.server.front.runtime import ServerThread
+    from proctor.server.front.settings import ServerOptions
 
     spec = EngineSpec(name="torch", model_path=str(tiny_model_dir))
     options = ServerOptions(grpc_port=0, http_port=0, metrics_port=0)

@@ -10,11 +10,11 @@ import httpx
 import pytest
 import torch
 
+from proctor.server.cli.tiny_model import make_tiny_model
 from proctor.server.config import load_server_config
 from proctor.server.engines.base import EngineRequest, EngineSpec
-from proctor.server.runtime import ServerThread
-from proctor.server.swap import SwapGroup
-from proctor.server.tiny_model import make_tiny_model
+from proctor.server.engines.swap import SwapGroup
+from proctor.server.front.runtime import ServerThread
 
 from support.configs import cpu_config, torch_teacher, write_config
 from support.reference import assert_matches_reference

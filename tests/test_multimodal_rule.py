@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from typer.testing import CliRunner
 
-from proctor.server.cli import app
+from proctor.server.cli.main import app
 from proctor.server.engines.base import EngineRequest, MediaItem, MultiModalInputs, RequestRejected
 from proctor.server.engines.multimodal import (
     Placeholders,

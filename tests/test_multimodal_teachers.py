@@ -45,7 +45,7 @@ MAX_MODEL_LEN = 1024
 
 @pytest.fixture(scope="module")
 def tiny_multimodal(tmp_path_factory):
-    from proctor.server.tiny_multimodal import make_tiny_omni_thinker, make_tiny_vl_model
+    from proctor.server.cli.tiny_multimodal import make_tiny_omni_thinker, make_tiny_vl_model
 
     return {"omni": make_tiny_omni_thinker(tmp_path_factory.mktemp("omni-thinker")),
             "vl": make_tiny_vl_model(tmp_path_factory.mktemp("vl"))}
@@ -54,8 +54,8 @@ def tiny_multimodal(tmp_path_factory):
 def _torch_server(model_dir):
     from proctor.server.config import single_teacher_router
     from proctor.server.engines.base import EngineSpec
-    from proctor.server.runtime import ServerThread
-    from proctor.server.settings import ServerOptions
+    from proctor.server.front.runtime import ServerThread
+    from proctor.server.front.settings import ServerOptions
 
     spec = EngineSpec(name="torch", model_path=str(model_dir), max_topk=16)
     return ServerThread(single_teacher_router(spec, name="mm"), ServerOptions(grpc_port=0, http_port=0)).start()

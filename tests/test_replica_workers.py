@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from proctor.proto import decode_tensor, encode_tensor, scoring_pb2
+from proctor.server.common.metrics import Metrics
 from proctor.server.engines.base import EngineRequest, EngineResult
+from proctor.server.front.fleet.routing import ReplicaState
 from proctor.server.front.responses import Responses
-from proctor.server.front.routing import ReplicaState
 from proctor.server.front.service import ScoredRequest
-from proctor.server.metrics import Metrics
 from proctor.server.worker.client import WorkerClient
 from proctor.server.worker.protocol import OUT_OF_BAND_BYTES, dumps, loads
 from proctor.server.worker.wire import EncodedResult, RawRows, encode_result

@@ -7,8 +7,8 @@ import concurrent.futures
 import httpx
 import pytest
 
-from proctor.server.errors import Code, ScoringError
-from proctor.server.front.routing import Replica, ReplicaSet, ReplicaState, Router
+from proctor.server.common.errors import Code, ScoringError
+from proctor.server.front.fleet.routing import Replica, ReplicaSet, ReplicaState, Router
 
 from support.reference import assert_matches_reference
 from support.routers import InjectedReplicas

@@ -71,7 +71,7 @@ def test_row_scores_equal_a_float64_log_softmax_at_any_temperature():
 
 def test_omni_serves_no_score_ids_for_logits_it_cannot_rebuild(tmp_path):
     """The hidden-state method assumes logits = h·Wᵀ: a soft-capped teacher gets none, not wrong ones."""
-    from proctor.server.tiny_model import make_tiny_model
+    from proctor.server.cli.tiny_model import make_tiny_model
 
     plain = VllmOmniEngine(_omni_spec())
     plain.spec = plain.spec.__class__(**{**plain.spec.__dict__, "model_path": str(make_tiny_model(tmp_path / "q"))})

@@ -17,9 +17,9 @@ import torch
 
 from proctor.server.engines.base import EngineSpec
 from proctor.server.engines.factory import create_engine
+from proctor.server.engines.prompt_reuse import PrefixStore, ReuseSettingError, ReuseSettings, block_hashes
 from proctor.server.engines.torch.prefix import TorchPrefix
 from proctor.server.engines.torch.reuse_probe import reuse_works
-from proctor.server.prompt_reuse import PrefixStore, ReuseSettingError, ReuseSettings, block_hashes
 
 from support.groups import assert_exact, interleaved, make_groups, request_of
 

@@ -36,7 +36,7 @@ ENGINE_TOL = 1e-4  # vLLM against the transformers reference (as in test_vllm_en
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from proctor.server.tiny_model import make_tiny_model
+    from proctor.server.cli.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("vllm-shared"), num_heads=2, num_kv_heads=1)
 

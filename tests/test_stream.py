@@ -14,11 +14,11 @@ from support.reference import reference_rows
 @pytest.fixture(scope="module")
 def wide_server(tmp_path_factory):
     """A teacher with hidden size 2048: 8 KiB of float32 per row."""
+    from proctor.server.cli.tiny_model import make_tiny_model
     from proctor.server.config import single_teacher_router
     from proctor.server.engines.base import EngineSpec
-    from proctor.server.runtime import ServerThread
-    from proctor.server.settings import ServerOptions
-    from proctor.server.tiny_model import make_tiny_model
+    from proctor.server.front.runtime import ServerThread
+    from proctor.server.front.settings import ServerOptions
 
     path = make_tiny_model(tmp_path_factory.mktemp("wide"), hidden_size=2048, num_layers=1, num_heads=16,
                            num_kv_heads=4, intermediate_size=256, vocab_size=300)

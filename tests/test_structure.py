@@ -166,7 +166,7 @@ def test_every_package_is_listed_for_a_wheel_install():
 
 
 # DESIGN §2: who may import whom. The `proctor` command composes both sides, in its two modules.
-COMPOSERS = {"proctor.server.cli", "proctor.server.cli_trainer_side"}
+COMPOSERS = {"proctor.server.cli.main", "proctor.server.cli.trainer_side"}
 FORBIDDEN = {"proctor.server": ("proctor.client", "proctor.trainer_adapter"),
              "proctor.client": ("proctor.server", "proctor.trainer_adapter"),
              "proctor.proto": ("proctor.server", "proctor.client", "proctor.trainer_adapter"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from proctor.server.config import single_teacher_router
 from proctor.server.engines.base import EngineSpec
-from proctor.server.front.teacher_tokenizers import Tokenizers
+from proctor.server.front.http.teacher_tokenizers import Tokenizers
 
 
 async def test_the_tokenizer_comes_from_the_teachers_plan_not_its_replicas(tiny_model_dir):

@@ -17,15 +17,15 @@ from proctor.client import TeacherClient
 from proctor.server.config import single_teacher_router
 from proctor.server.engines.base import EngineSpec
 from proctor.server.engines.checkpoint import load_unembedding, own_output_embedding_names
-from proctor.server.runtime import ServerThread
-from proctor.server.settings import ServerOptions
+from proctor.server.front.runtime import ServerThread
+from proctor.server.front.settings import ServerOptions
 
 from support.reference import reference_rows
 
 
 @pytest.fixture(scope="module")
 def gpt2_dir(tmp_path_factory):
-    from proctor.server.tiny_model import make_tiny_model
+    from proctor.server.cli.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("gpt2"), family="gpt2")
 

@@ -175,7 +175,7 @@ def test_media_items_become_bytes_with_a_type():
     assert audio.media_type == "application/x-npy; rate=24000"
     # What the server decodes from it: the waveform at its own rate, not a default one.
     from proctor.server.engines.base import MediaItem
-    from proctor.server.media import decode_audio
+    from proctor.server.engines.media import decode_audio
 
     samples, rate = decode_audio(MediaItem(audio.data, audio.media_type))
     assert rate == 24000 and np.array_equal(samples, waveform)

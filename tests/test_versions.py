@@ -97,7 +97,7 @@ def _fake_release(root: Path, name: str, version: str) -> None:
 
 def _serve(args: list[str], fakes: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(fakes), os.environ.get("PYTHONPATH")]))}
-    return subprocess.run([sys.executable, "-m", "proctor.server.cli", "serve", "--grpc-port", "0",
+    return subprocess.run([sys.executable, "-m", "proctor.server.cli.main", "serve", "--grpc-port", "0",
                            "--http-port", "0", *args], env=env, capture_output=True, text=True, timeout=300)
 
 

@@ -35,7 +35,7 @@ VLLM_INFERENCE = {"gpu_memory_utilization": 0.1, "max_model_len": 2048, "enforce
 
 
 def _make(dir_, **kw):
-    from proctor.server.tiny_model import make_tiny_model
+    from proctor.server.cli.tiny_model import make_tiny_model
 
     return make_tiny_model(dir_, num_heads=2, num_kv_heads=1, **kw)
 
@@ -492,7 +492,7 @@ def test_unembedding_of_tied_checkpoint_is_the_embeddings(tmp_path):
 
 
 def test_cpu_head_dim_is_checked_before_starting(tmp_path):
-    from proctor.server.tiny_model import make_tiny_model
+    from proctor.server.cli.tiny_model import make_tiny_model
 
     path = make_tiny_model(tmp_path / "h16", num_heads=4, num_kv_heads=2)  # 4 heads of 16
     engine = create_engine(EngineSpec(name="vllm", model_path=str(path), device="cpu", inference=VLLM_INFERENCE))

@@ -478,7 +478,7 @@ def test_omni_fakes_match_the_real_library(tmp_path):
 
     import yaml
 
-    from proctor.server.tiny_multimodal import make_tiny_omni_thinker
+    from proctor.server.cli.tiny_multimodal import make_tiny_omni_thinker
 
     python = omni_python()
     model = make_tiny_omni_thinker(tmp_path / "thinker")

@@ -41,7 +41,7 @@ TEXT = "User: no media at all, 12 times 7 is 84."
 
 @pytest.fixture(scope="module")
 def omni_model(tmp_path_factory):
-    from proctor.server.tiny_multimodal import make_tiny_omni_thinker
+    from proctor.server.cli.tiny_multimodal import make_tiny_omni_thinker
 
     return make_tiny_omni_thinker(tmp_path_factory.mktemp("omni-real"))
 
@@ -226,7 +226,7 @@ def test_serve_takes_the_run_release_and_refuses_others_in_one_line(omni_model):
         "vLLM-Omni 0.29.0 is installed, but proctor supports vLLM-Omni 0.30.0 or 0.18.0: "
         "pip install 'proctor[omni]' or 'proctor[omni-ascend]'",
     ]
-    refused = subprocess.run([sys.executable, "-m", "proctor.server.cli", "serve", "--engine", "vllm_omni",
+    refused = subprocess.run([sys.executable, "-m", "proctor.server.cli.main", "serve", "--engine", "vllm_omni",
                               "--model", str(omni_model)], capture_output=True, text=True, timeout=120)
     assert refused.returncode == 1
     (line,) = refused.stderr.strip().splitlines()

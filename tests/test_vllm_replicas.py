@@ -37,7 +37,7 @@ MAX_MODEL_LEN = 512
 
 @pytest.fixture(scope="module")
 def vllm_model_dir(tmp_path_factory):
-    from proctor.server.tiny_model import make_tiny_model
+    from proctor.server.cli.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("vllm-replicas"), num_heads=2, num_kv_heads=1)
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from proctor.server.alignment.token_bytes import NotByteLevel, TokenBytes
 from proctor.server.alignment.vocab_map import exact_match_map, identical
-from proctor.server.fingerprint import model_fingerprint
+from proctor.server.engines.fingerprint import model_fingerprint
 
 log = logging.getLogger(__name__)
 

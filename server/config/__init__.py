@@ -8,7 +8,7 @@ as verl reads it: same field names, same defaults (those of verl's
 implicit becomes an explicit message here: unknown keys are reported (with the nearest known
 name), the default `teacher_model` entry that verl silently drops when other teachers are
 added is an error that says what to rename, and the pool sizes are checked by
-`proctor.server.pool` with the numbers and the teacher to change.
+`proctor.server.worker.pool` with the numbers and the teacher to change.
 
 Every problem is collected before anything is reported, so `proctor check-config` lists
 them all at once rather than one per run.

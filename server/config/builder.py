@@ -12,13 +12,13 @@ from pathlib import Path
 
 from proctor.server.config.plan import ServingPlan, load_plan
 from proctor.server.engines.base import EngineSpec
-from proctor.server.front.drift import DriftSettings
-from proctor.server.pool import ReplicaGroupPlan
-from proctor.server.prompt_reuse import ReuseSettings
+from proctor.server.engines.prompt_reuse import ReuseSettings
+from proctor.server.front.fleet.drift import DriftSettings
+from proctor.server.worker.pool import ReplicaGroupPlan
 
 if typing.TYPE_CHECKING:
-    from proctor.server.front.routing import Router
-    from proctor.server.settings import ServerOptions
+    from proctor.server.front.fleet.routing import Router
+    from proctor.server.front.settings import ServerOptions
 
 
 
@@ -42,9 +42,9 @@ def _drift(spec: EngineSpec, *, swapped: bool) -> DriftSettings | None:
 
 def build_router(plan: ServingPlan) -> Router:
     """Teachers with their replicas (in-process engines, swap groups or Ray actors) behind a Router."""
-    from proctor.server.engines.factory import create_replica_engine
-    from proctor.server.front.routing import Replica, ReplicaSet, RestartPolicy, Router, engine_replica
-    from proctor.server.swap import SwapGroup, SwappedTeacherEngine
+    from proctor.server.engines.swap import SwapGroup, SwappedTeacherEngine
+    from proctor.server.front.fleet.routing import Replica, ReplicaSet, RestartPolicy, Router, engine_replica
+    from proctor.server.worker.replica_engine import create_replica_engine
 
     server = plan.config.server
     ray_pool = None
@@ -105,7 +105,7 @@ def build_router(plan: ServingPlan) -> Router:
 def server_options(plan: ServingPlan, *, host: str | None = None) -> ServerOptions:
     from proctor.server.front.auth import load_token
     from proctor.server.front.service import Limits
-    from proctor.server.settings import ServerOptions
+    from proctor.server.front.settings import ServerOptions
 
     s = plan.config.server
     return ServerOptions(
@@ -143,8 +143,8 @@ def single_teacher_router(
 ) -> Router:
     """What `proctor serve --model` runs: one teacher of `replicas` replicas (vLLM engines each
     in a replica worker of its own), routed by its name."""
-    from proctor.server.engines.factory import create_replica_engine
-    from proctor.server.front.routing import ReplicaSet, Router, engine_replica
+    from proctor.server.front.fleet.routing import ReplicaSet, Router, engine_replica
+    from proctor.server.worker.replica_engine import create_replica_engine
 
     ids = [f"{name}-{i}" for i in range(replicas)]
     replica_set = [engine_replica(i, partial(create_replica_engine, spec, name=i)) for i in ids]

@@ -21,8 +21,8 @@ from proctor.server.config.schema import (
 )
 from proctor.server.engines.base import EngineConfigError, EngineSpec
 from proctor.server.engines.checks import check_model_path
-from proctor.server.fingerprint import model_architecture
-from proctor.server.pool import PlacementError, PlacementPlan, TeacherDemand, plan_placement
+from proctor.server.engines.fingerprint import model_architecture
+from proctor.server.worker.pool import PlacementError, PlacementPlan, TeacherDemand, plan_placement
 
 if typing.TYPE_CHECKING:
     pass

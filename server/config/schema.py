@@ -17,9 +17,9 @@ from proctor.proto.loss_modes import (
     VERL_IGNORED_LOSS_KEYS,
     LossFamilies,
 )
-from proctor.server.front.drift import DriftSettings
-from proctor.server.prompt_reuse import ReuseSettings
-from proctor.server.settings import DEFAULTS
+from proctor.server.engines.prompt_reuse import ReuseSettings
+from proctor.server.front.fleet.drift import DriftSettings
+from proctor.server.front.settings import DEFAULTS
 
 if typing.TYPE_CHECKING:
     pass
@@ -96,7 +96,7 @@ class InferenceConfig(ConfigBlock):
     startup_timeout_s: float = Field(1800.0, gt=0)
     # Rank r of the hidden-state projection (`engines/hidden_forms.py`; 0: no projected forms).
     hidden_projection_rank: int = Field(0, ge=0)
-    # Shared-prefix reuse (`proctor.server.prompt_reuse`): on for shared prefixes of at least min_tokens.
+    # Shared-prefix reuse (`proctor.server.engines.prompt_reuse`): on for shared prefixes of at least min_tokens.
     prompt_reuse: bool = _REUSE.enabled
     prompt_reuse_min_tokens: int = Field(_REUSE.min_tokens, ge=1)
     prompt_reuse_memory_mb: float = Field(_REUSE.memory_bytes / (1 << 20), ge=0)
@@ -173,7 +173,7 @@ class RayConfig(ConfigBlock):
 class ServerBlock(ConfigBlock):
     """proctor's own `server:` block."""
 
-    # Defaults are the runtime's (proctor.server.settings.DEFAULTS): one table for both.
+    # Defaults are the runtime's (proctor.server.front.settings.DEFAULTS): one table for both.
     host: str = DEFAULTS.host
     grpc_port: int = Field(DEFAULTS.grpc_port, ge=0, le=65535)
     http_port: int = Field(DEFAULTS.http_port, ge=0, le=65535)

@@ -4,7 +4,7 @@ An engine scores a *batch* of requests at once. The service hands it whatever it
 batched; an engine with its own scheduler (vLLM) fans the batch out, the torch engine pads
 it into one forward pass. A batch is a list, not one request at a time, so that an engine can
 spot requests that share a prefix (the n responses of one GRPO group: equal leading token ids,
-found by the engine, no prompt length needed) and prefill it once (`proctor.server.prompt_reuse`;
+found by the engine, no prompt length needed) and prefill it once (`proctor.server.engines.prompt_reuse`;
 the torch engine keeps the KV cache, the vLLM engine reads vLLM's prefix cache where that is
 safe). Results follow the row convention of the wire contract: row i is about token i given tokens
 0..i-1, rows `first_row..T-1` are returned.
@@ -158,7 +158,7 @@ class EngineInfo:
 class EngineError(RuntimeError):
     """A *replica* error: the replica itself is unwell (its process died, its engine says it is
     dead, it stopped answering). The replica is marked failed and restarted; the request is
-    retried on another replica (once: `front.replica_faults`). An engine that merely raised
+    retried on another replica (once: `front.fleet.replica_faults`). An engine that merely raised
     on a batch is not this (`BatchFailed`)."""
 
 
@@ -195,7 +195,7 @@ class RequestFailed(Exception):
     forward, a processor, proctor's own code), its process alive and its batch-mates answered.
 
     It becomes INTERNAL naming `cause` unless another replica answers the request (routing
-    retries it once there, `front.replica_faults`); it takes the replica out of rotation only
+    retries it once there, `front.fleet.replica_faults`); it takes the replica out of rotation only
     when the replica is found unwell (its health probe fails, or requests that other replicas
     answer keep failing on it), never for one request.
     """
@@ -216,7 +216,7 @@ def _rebuild_failed(cause: str, out_of_memory: bool) -> RequestFailed:
 class BatchFailed(Exception):
     """The engine raised while scoring a whole batch, its process alive: which request is at
     fault (or whether the batch was merely too large: `out_of_memory`) is not known until the
-    batch is split (`front.batch_isolation`). An engine host reports an exception of its
+    batch is split (`front.fleet.batch_isolation`). An engine host reports an exception of its
     engine's batch as this; any exception but `EngineError` an engine raises counts as one."""
 
     def __init__(self, cause: str, *, out_of_memory: bool = False) -> None:
@@ -278,7 +278,7 @@ class TeacherEngine(abc.ABC):
         before this request finished; requests that did finish keep their results, so nothing
         is computed twice). Raising `EngineError` says the replica failed; raising anything
         else says the batch failed, and the batcher splits it to find the request at fault
-        (`front.batch_isolation`).
+        (`front.fleet.batch_isolation`).
         """
 
     async def abort(self, request_keys: list[str]) -> None:  # noqa: B027  (optional hook)

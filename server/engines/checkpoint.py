@@ -173,13 +173,13 @@ def load_unembedding(
 
 @lru_cache(maxsize=32)
 def _cached_fingerprint(path: str, stamp: tuple) -> str:
-    from proctor.server.fingerprint import model_fingerprint
+    from proctor.server.engines.fingerprint import model_fingerprint
 
     return model_fingerprint(path)
 
 
 def fingerprint(model_path: str | Path) -> str:
-    """The shared model fingerprint (server/fingerprint.py), cached per directory state."""
+    """The shared model fingerprint (server/engines/fingerprint.py), cached per directory state."""
     root = Path(model_path)
     stamp = tuple(sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in root.iterdir() if p.is_file()))
     return _cached_fingerprint(str(root.resolve()), stamp)

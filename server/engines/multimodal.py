@@ -171,7 +171,7 @@ def decoded_media(request: EngineRequest) -> dict[str, list[Any]]:
         return {}
     if media.decoded is not None:
         return media.decoded
-    from proctor.server.media import multi_modal_data
+    from proctor.server.engines.media import multi_modal_data
 
     return multi_modal_data(media)
 

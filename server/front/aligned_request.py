@@ -29,9 +29,9 @@ from proctor.proto import scoring_pb2
 from proctor.server.alignment.answer import AlignedAnswer, align_answer
 from proctor.server.alignment.chunks import Chunks, chunk
 from proctor.server.alignment.students import Pair
+from proctor.server.common.errors import invalid
 from proctor.server.engines.base import EngineInfo, EngineResult
-from proctor.server.errors import invalid
-from proctor.server.front.http_models import extend_ids
+from proctor.server.front.http.models import extend_ids
 from proctor.server.front.validation import response_first_row
 
 # What an aligned request cannot ask for: its answer is in the student's rows, and these are not.

@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING
 
 from proctor.proto import scoring_pb2
 from proctor.server.alignment.students import StudentTokenizers, Unalignable
-from proctor.server.errors import Code, ScoringError, invalid
+from proctor.server.common.errors import Code, ScoringError, invalid
+from proctor.server.common.off_loop import off_loop_if
 from proctor.server.front.aligned_request import check_sizes, plan_aligned
-from proctor.server.front.http_request import off_loop_if
 from proctor.server.front.validation import request_mode
 
 if TYPE_CHECKING:
-    from proctor.server.front.routing import ReplicaSet
+    from proctor.server.front.fleet.routing import ReplicaSet
     from proctor.server.front.service import ScoredRequest, ScoringService
 
 log = logging.getLogger(__name__)

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from proctor.server.errors import invalid
+from proctor.server.common.errors import invalid
 
 BODY = "body"
 DEFAULT_MAX_DEPTH = 64

@@ -17,11 +17,11 @@ from grpc_health.v1.health import aio as health_aio
 
 from proctor.proto import scoring_pb2, scoring_pb2_grpc
 from proctor.proto.wire import GRPC_PUSHBACK_KEY, GRPC_RETRY_AFTER_KEY
-from proctor.server.errors import ScoringError, invalid
+from proctor.server.common.errors import ScoringError, invalid
 from proctor.server.front.auth import TokenAuth
 from proctor.server.front.responses import Responses
 from proctor.server.front.service import ScoringService
-from proctor.server.settings import ServerOptions
+from proctor.server.front.settings import ServerOptions
 
 log = logging.getLogger(__name__)
 

@@ -23,14 +23,14 @@ from typing import Any
 import torch
 
 from proctor.proto import scoring_pb2, wire_dtype
+from proctor.server.common.errors import NOT_READY_RETRY_S, Code, ScoringError, invalid
+from proctor.server.common.metrics import Metrics
 from proctor.server.engines.base import EngineResult
 from proctor.server.engines.hidden_forms import projected_unembedding
-from proctor.server.errors import NOT_READY_RETRY_S, Code, ScoringError, invalid
+from proctor.server.engines.media import MediaLimits
 from proctor.server.front.aligned_scoring import AlignedScoring
-from proctor.server.front.routing import ReplicaSet, Router
+from proctor.server.front.fleet.routing import ReplicaSet, Router
 from proctor.server.front.validation import ValidRequest, check_finite, decode, request_mode, validate
-from proctor.server.media import MediaLimits
-from proctor.server.metrics import Metrics
 
 log = logging.getLogger(__name__)
 

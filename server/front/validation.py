@@ -19,11 +19,11 @@ import torch
 
 from proctor.proto import scoring_pb2
 from proctor.proto.hidden_forms import row_bytes
+from proctor.server.common.errors import Code, ScoringError, invalid
 from proctor.server.engines.base import EngineInfo, EngineRequest, EngineResult, MediaItem, MultiModalInputs
-from proctor.server.errors import Code, ScoringError, invalid
+from proctor.server.engines.media import MediaLimits, decode_media
 from proctor.server.front.bounded_json import loads_bounded
-from proctor.server.front.routing import ReplicaSet
-from proctor.server.media import MediaLimits, decode_media
+from proctor.server.front.fleet.routing import ReplicaSet
 
 # Scores are computed in float32 by every engine (`engines.row_scores`): a temperature must be a
 # normal float32 number, and the scores it gives must be finite (`check_finite`).

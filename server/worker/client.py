@@ -46,9 +46,9 @@ from proctor.server.engines.base import (
     started_info,
 )
 from proctor.server.engines.invariance import invariance_environment
-from proctor.server.pool import VISIBLE_DEVICES_ENV
 from proctor.server.worker import messages
 from proctor.server.worker.arena import create_arena
+from proctor.server.worker.pool import VISIBLE_DEVICES_ENV
 from proctor.server.worker.protocol import Channel
 
 log = logging.getLogger(__name__)

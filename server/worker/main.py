@@ -122,7 +122,7 @@ async def _main(fd: int, arena_fd: int | None) -> None:
 
 
 def main() -> None:
-    from proctor.server.malloc_tuning import keep_large_buffers
+    from proctor.server.common.malloc_tuning import keep_large_buffers
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     keep_large_buffers()  # results' buffers reused, not re-faulted (`malloc_tuning`)

@@ -40,33 +40,18 @@ import asyncio
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from proctor.server.engines.base import EngineSpec, TeacherEngine
 from proctor.server.engines.invariance import invariance_environment
-from proctor.server.pool import PlacementPlan, ReplicaGroupPlan
-from proctor.server.worker.ray_engine import RayEngine
+from proctor.server.worker.pool import PlacementPlan, ReplicaGroupPlan
+from proctor.server.worker.ray_engine import BundleRef, RayEngine
 
 log = logging.getLogger(__name__)
 
 # Ray's own resource for each device kind (it sets the *_VISIBLE_DEVICES of actors that hold them).
 RAY_RESOURCE = {"cuda": "GPU", "npu": "NPU"}
-
-
-@dataclass(frozen=True)
-class BundleRef:
-    """Where one replica's actor goes: a placement group and a bundle index in it.
-
-    `resources` is what the actor itself holds of the bundle besides CPUs: the replica's
-    devices on one node; nothing for a replica spanning nodes (`spans_nodes`), whose group
-    is its own and whose devices its engine's workers take, one bundle each.
-    """
-
-    placement_group: Any
-    bundle_index: int
-    resources: dict[str, float]
-    spans_nodes: bool = False
 
 
 class RayPool:

@@ -14,7 +14,8 @@ import asyncio
 import contextlib
 import functools
 from collections.abc import Awaitable
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -30,8 +31,21 @@ from proctor.server.engines.base import (
 )
 from proctor.server.worker.ray_worker import EngineActor
 
-if TYPE_CHECKING:
-    from proctor.server.worker.ray_actor import BundleRef
+
+@dataclass(frozen=True)
+class BundleRef:
+    """Where one replica's actor goes: a placement group and a bundle index in it.
+
+    `resources` is what the actor itself holds of the bundle besides CPUs: the replica's
+    devices on one node; nothing for a replica spanning nodes (`spans_nodes`), whose group
+    is its own and whose devices its engine's workers take, one bundle each.
+    """
+
+    placement_group: Any
+    bundle_index: int
+    resources: dict[str, float]
+    spans_nodes: bool = False
+
 
 # How long the actor may take to answer a health check: longer than the engine's own probe of
 # its processes (vllm_common.PROBE_TIMEOUT_S, 10 s), so a wedged EngineCore is reported by the

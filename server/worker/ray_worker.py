@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from proctor.server.engines.base import EngineInfo, EngineRequest, EngineSpec, Outcome
-from proctor.server.pool import VISIBLE_DEVICES_ENV
+from proctor.server.worker.pool import VISIBLE_DEVICES_ENV
 from proctor.server.worker.wire import encode_outcomes
 
 
@@ -30,7 +30,7 @@ class EngineActor:
             for name in VISIBLE_DEVICES_ENV.values():
                 if os.environ.get(name) == "":
                     os.environ.pop(name)
-        from proctor.server.malloc_tuning import keep_large_buffers
+        from proctor.server.common.malloc_tuning import keep_large_buffers
 
         self.spec = spec
         keep_large_buffers()  # the actor is a replica worker: results' buffers reused, not re-faulted

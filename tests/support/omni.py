@@ -43,7 +43,7 @@ def omni_server(model_dir: Path, *, replicas: int = 1, max_model_len: int = 1024
 
     kwargs = {"output_mode": "ar", "pipeline_name": "qwen2_5_omni", **CPU_STAGE}
     command = [
-        str(omni_python()), "-m", "proctor.server.cli", "serve", "--grpc-port", "0", "--http-port", "0",
+        str(omni_python()), "-m", "proctor.server.cli.main", "serve", "--grpc-port", "0", "--http-port", "0",
         "--engine", "vllm_omni", "--device", "cpu", "--dtype", "float32", "--model", str(model_dir),
         "--max-topk", str(max_topk), "--max-model-len", str(max_model_len), "--replicas", str(replicas),
         "--teacher-name", "omni", "--inference", "enforce_eager=true",

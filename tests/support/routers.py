@@ -11,8 +11,8 @@ from pathlib import Path
 
 from proctor.server.engines.base import EngineSpec, TeacherEngine
 from proctor.server.engines.factory import create_engine
-from proctor.server.front.routing import Replica, ReplicaSet, RestartPolicy, Router
-from proctor.server.runtime import ServerThread
+from proctor.server.front.fleet.routing import Replica, ReplicaSet, RestartPolicy, Router
+from proctor.server.front.runtime import ServerThread
 
 from support.engines import InjectedEngine
 from support.servers import start_server
@@ -86,8 +86,8 @@ def replica_router(name: str, specs: list[EngineSpec], **teacher) -> Router:
     may differ: one with perturbed weights, say); `teacher`: further ReplicaSet settings."""
     from functools import partial
 
-    from proctor.server.engines.factory import create_replica_engine
-    from proctor.server.front.routing import engine_replica
+    from proctor.server.front.fleet.routing import engine_replica
+    from proctor.server.worker.replica_engine import create_replica_engine
 
     replicas = [engine_replica(f"{name}-{i}", partial(create_replica_engine, spec, name=f"{name}-{i}"))
                 for i, spec in enumerate(specs)]

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from proctor.server.front.routing import Router
-from proctor.server.runtime import ServerThread
-from proctor.server.settings import ServerOptions
+from proctor.server.front.fleet.routing import Router
+from proctor.server.front.runtime import ServerThread
+from proctor.server.front.settings import ServerOptions
 
 T = TypeVar("T")
 
@@ -122,7 +122,7 @@ class SubprocessServer:
         import httpx
 
         self.proc = subprocess.Popen(
-            command or [sys.executable, "-m", "proctor.server.cli", "serve", "--grpc-port", "0", "--http-port", "0",
+            command or [sys.executable, "-m", "proctor.server.cli.main", "serve", "--grpc-port", "0", "--http-port", "0",
                         *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

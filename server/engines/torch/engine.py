@@ -31,10 +31,12 @@ from proctor.server.engines.base import (
     serving_dtype,
     started_info,
 )
+from proctor.server.engines.fingerprint import model_fingerprint
 from proctor.server.engines.hidden_forms import HiddenForms
 from proctor.server.engines.invariance import batch_invariant, invariant_spec
 from proctor.server.engines.logit_transforms import LogitTransforms, logit_transforms
 from proctor.server.engines.multimodal import check_counts
+from proctor.server.engines.prompt_reuse import ReuseSettings
 from proctor.server.engines.row_scores import score_rows
 from proctor.server.engines.torch import invariant
 from proctor.server.engines.torch.loading import build
@@ -47,8 +49,6 @@ from proctor.server.engines.torch.prefix import (
     supports_prompt_cache,
 )
 from proctor.server.engines.torch.reuse_probe import reuse_works
-from proctor.server.fingerprint import model_fingerprint
-from proctor.server.prompt_reuse import ReuseSettings
 
 log = logging.getLogger(__name__)
 

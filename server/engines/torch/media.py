@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from proctor.server.engines.base import EngineError, EngineRequest, RequestRejected
+from proctor.server.engines.media import MM_KEYS
 from proctor.server.engines.multimodal import (
     Placeholders,
     check_counts,
@@ -33,7 +34,6 @@ from proctor.server.engines.multimodal import (
     run_lengths,
 )
 from proctor.server.engines.torch.loading import build
-from proctor.server.media import MM_KEYS
 
 # Architectures whose checkpoint wraps the scoring model: the Omni models' Thinker.
 _WRAPPED = {"Qwen2_5OmniForConditionalGeneration": "thinker", "Qwen3OmniMoeForConditionalGeneration": "thinker"}

@@ -42,7 +42,7 @@ import torch
 
 from proctor.server.engines.base import EngineRequest, EngineResult
 from proctor.server.engines.prefix_rows import RowRecord, joined
-from proctor.server.prompt_reuse import PrefixStore, ReuseSettings, common_prefix, token_array
+from proctor.server.engines.prompt_reuse import PrefixStore, ReuseSettings, common_prefix, token_array
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ import torch
 
 from proctor.proto.versions import installed
 from proctor.server.engines.base import EngineRequest, EngineResult
+from proctor.server.engines.prompt_reuse import ReuseSettings
 from proctor.server.engines.torch.prefix import PaddedPass, TorchPrefix
-from proctor.server.prompt_reuse import ReuseSettings
 
 log = logging.getLogger("proctor.server.engines.torch.prefix")  # one logger for the reuse path's lines
 

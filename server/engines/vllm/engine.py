@@ -40,6 +40,7 @@ from proctor.server.engines.base import (
 )
 from proctor.server.engines.checkpoint import check_cpu_head_dim, model_facts
 from proctor.server.engines.checks import check_vllm_settings
+from proctor.server.engines.prompt_reuse import ReuseSettings
 from proctor.server.engines.row_scores import score_rows
 from proctor.server.engines.vllm.adapter import SCORING_TASK, check_vllm_version, engine_classes
 from proctor.server.engines.vllm.args import engine_args_from_settings, engine_kwargs_of, engine_request_id
@@ -49,7 +50,6 @@ from proctor.server.engines.vllm.media import VllmMedia
 from proctor.server.engines.vllm.pooled_scores import PooledScores, ScoreAsk, unpack
 from proctor.server.engines.vllm.prefix import KeptRow, PrefixLane, kept_row
 from proctor.server.engines.vllm.scoring_model import scoring_architecture
-from proctor.server.prompt_reuse import ReuseSettings
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ So:
 - anything else (`EngineGenerateError` and its cause, a proctor bug, an API mismatch between
   proctor and vLLM) is a server fault of that request (`RequestFailed`, INTERNAL), logged with
   its traceback; routing retries it once elsewhere and counts it toward the replica's health
-  (`front.replica_faults`). A bare ValueError is no longer taken for the caller's fault.
+  (`front.fleet.replica_faults`). A bare ValueError is no longer taken for the caller's fault.
 
 The input processing of a request's own fields that proctor runs itself (rendering its media
 through vLLM's renderer) is classified where it runs (`input_error`): there a ValueError or

@@ -32,7 +32,7 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 
 from proctor.proto import scoring_pb2
-from proctor.server.errors import invalid
+from proctor.server.common.errors import invalid
 from proctor.server.front.bounded_json import loads_bounded
 
 INT32 = range(-(2**31), 2**31)

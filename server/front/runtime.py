@@ -20,13 +20,13 @@ from pathlib import Path
 import uvicorn
 
 from proctor.server.front.auth import TokenAuth
+from proctor.server.front.fleet.routing import Router
 from proctor.server.front.grpc_app import GrpcServer
-from proctor.server.front.http_app import create_app
-from proctor.server.front.http_limits import limited_protocol, serve_metrics
+from proctor.server.front.http.app import create_app
+from proctor.server.front.http.limits import limited_protocol, serve_metrics
 from proctor.server.front.responses import Responses
-from proctor.server.front.routing import Router
 from proctor.server.front.service import ScoringService
-from proctor.server.settings import ServerOptions
+from proctor.server.front.settings import ServerOptions
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ class ProctorServer:
 
     async def serve_forever(self) -> int:
         """Run until SIGTERM/SIGINT; then drain. Returns the process exit code."""
-        from proctor.server.malloc_tuning import keep_large_buffers
+        from proctor.server.common.malloc_tuning import keep_large_buffers
 
         keep_large_buffers()  # this process serves: its answers' buffers are reused, not re-faulted
         loop = asyncio.get_running_loop()

@@ -14,10 +14,10 @@ from fastapi.responses import JSONResponse, Response
 from google.protobuf.json_format import MessageToDict
 
 from proctor.proto import scoring_pb2
-from proctor.server.front.completions_serving import CompletionsServing
-from proctor.server.front.openai_compat import CompletionBody
-from proctor.server.front.replicas import ReplicaState
-from proctor.server.front.score_serving import SCORE_OPENAPI, ScoreServing
+from proctor.server.front.fleet.replicas import ReplicaState
+from proctor.server.front.http.completions_serving import CompletionsServing
+from proctor.server.front.http.openai_compat import CompletionBody
+from proctor.server.front.http.score_serving import SCORE_OPENAPI, ScoreServing
 from proctor.server.front.service import ScoringService
 
 

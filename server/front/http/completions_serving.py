@@ -22,17 +22,18 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from proctor.proto import scoring_pb2
-from proctor.server.errors import ScoringError, invalid
+from proctor.server.common.errors import ScoringError, invalid
+from proctor.server.common.off_loop import off_loop_if
 from proctor.server.front.bounded_json import loads_bounded
-from proctor.server.front.cancellation import ClientGone, cancel_on_disconnect, client_gone
-from proctor.server.front.http_errors import openai_error
-from proctor.server.front.http_models import extend_ids
-from proctor.server.front.http_request import INLINE_BODY_BYTES, off_loop_if, read_body, request_timeout
-from proctor.server.front.openai_compat import CompletionBody
+from proctor.server.front.fleet.routing import ReplicaSet
+from proctor.server.front.http.cancellation import ClientGone, cancel_on_disconnect, client_gone
+from proctor.server.front.http.errors import openai_error
+from proctor.server.front.http.models import extend_ids
+from proctor.server.front.http.openai_compat import CompletionBody
+from proctor.server.front.http.request import INLINE_BODY_BYTES, read_body, request_timeout
+from proctor.server.front.http.teacher_tokenizers import Tokenizers
 from proctor.server.front.responses import Responses
-from proctor.server.front.routing import ReplicaSet
 from proctor.server.front.service import ScoredRequest, ScoringService
-from proctor.server.front.teacher_tokenizers import Tokenizers
 
 
 @dataclass(frozen=True)

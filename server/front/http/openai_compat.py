@@ -17,7 +17,7 @@ T != 1 on an engine that cannot). Nothing is generated: `text` is "" (the decode
 `echo`), no completion tokens. Anything else of the completions API (sampling controls,
 `max_tokens` > 1, streaming, `n` > 1, completion `logprobs`, text prompts for a teacher without
 a tokenizer) is refused with a 400 naming the parameter, never half-served; errors take OpenAI's
-shape (`http_errors.openai_error`).
+shape (`http.errors.openai_error`).
 
 This module is that contract's request: `CompletionBody`, one pydantic model whose fields are
 the parameters served, those accepted at their neutral value only, and those ignored, so that
@@ -32,8 +32,8 @@ from typing import Annotated, Any
 
 from pydantic import PrivateAttr, ValidationInfo, model_validator
 
-from proctor.server.errors import invalid
-from proctor.server.front.http_models import ABSENT, INT32, Int32, WireModel, checked, required
+from proctor.server.common.errors import invalid
+from proctor.server.front.http.models import ABSENT, INT32, Int32, WireModel, checked, required
 
 _NOT_SCORING = "is not supported: this server scores prompts (prompt_logprobs) and generates nothing"
 

@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from proctor.proto import scoring_pb2
+from proctor.server.common.metrics import NULL_SINK, MetricsSink
 from proctor.server.engines.base import EngineRequest, EngineResult, TeacherEngine
-from proctor.server.front.batcher import Batcher
-from proctor.server.front.replica_faults import StrikeRecord
-from proctor.server.metrics import NULL_SINK, MetricsSink
+from proctor.server.front.fleet.batcher import Batcher
+from proctor.server.front.fleet.replica_faults import StrikeRecord
 
 EngineFactory = Callable[[], Awaitable[TeacherEngine]]
 # A coroutine the supervisor runs as one of a replica's background tasks.

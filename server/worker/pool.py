@@ -15,7 +15,7 @@ Rules (verl's, plus what verl leaves implicit):
 - when the pool holds fewer replica slots than there are teachers (of one architecture)
   asking for automatic sizing, those teachers *share* the slots: each slot is a replica
   group that keeps one teacher's weights on its devices and the others' in CPU memory,
-  swapping them in on demand (see `proctor.server.swap`).
+  swapping them in on demand (see `proctor.server.engines.swap`).
 """
 
 from __future__ import annotations

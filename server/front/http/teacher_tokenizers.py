@@ -20,7 +20,7 @@ from typing import Any
 
 from proctor.server.alignment.students import load_tokenizer
 from proctor.server.front.completion_json import TokenText
-from proctor.server.front.routing import ReplicaSet
+from proctor.server.front.fleet.routing import ReplicaSet
 
 log = logging.getLogger(__name__)
 

@@ -1,28 +1,22 @@
 """What every HTTP scoring call reads the same way, whatever its endpoint.
 
-The body is read under the size limit (413 as soon as it passes it), the deadline comes from
-one header, and work that grows with a request runs in a worker thread once the request is
-large: the same rules for `/v1/score` and `/v1/completions`, so they are written here once.
+The body is read under the size limit (413 as soon as it passes it) and the deadline comes from
+one header: the same rules for `/v1/score` and `/v1/completions`, so they are written here once
+(a large body is decoded off the loop by `proctor.server.common.off_loop`).
 """
 
 from __future__ import annotations
-
-import asyncio
-from collections.abc import Callable
-from typing import Any, TypeVar
 
 from fastapi import Request
 from starlette.requests import ClientDisconnect
 
 from proctor.proto.wire import TIMEOUT_HEADER
-from proctor.server.errors import Code, ScoringError, invalid
+from proctor.server.common.errors import Code, ScoringError, invalid
 
 # Bodies above this size are decoded in a worker thread. bounded_json calls back into Python
 # for every number, so that thread yields the GIL and the event loop (gRPC included) keeps
 # serving while a large body is decoded; small bodies are not worth a thread hop.
 INLINE_BODY_BYTES = 256 << 10
-
-T = TypeVar("T")
 
 
 def _too_large(size: int | str, limit: int) -> ScoringError:
@@ -63,11 +57,3 @@ def request_timeout(request: Request) -> float | None:
     if value != value or value < 0:
         raise invalid(TIMEOUT_HEADER, "must be a non-negative number of seconds")
     return value
-
-
-async def off_loop_if(large: bool, work: Callable[..., T], *args: Any) -> T:
-    """`work(*args)` in a worker thread when `large`, else here: a thread hop costs more than
-    a small request's whole build, a large one would hold the event loop (gRPC's too)."""
-    if large:
-        return await asyncio.to_thread(work, *args)
-    return work(*args)

@@ -5,9 +5,9 @@ request's format unless `Accept` asks for the other. Errors are `{"error": {"cod
 "message", "field"}}` with the contract's status codes; 429/503 carry `Retry-After`.
 A client that disconnects cancels its request, which then leaves the queue.
 
-The app is split as vLLM's entrypoints are: request models (`http_models`, `openai_compat`),
-a thin router (`http_router`), serving code over the service (`score_serving`,
-`completions_serving`), answers built by `Responses`, error answers in `http_errors`, and
+The app is split as vLLM's entrypoints are: request models (`models`, `openai_compat`),
+a thin router (`router`), serving code over the service (`score_serving`,
+`completions_serving`), answers built by `Responses`, error answers in `errors`, and
 cancellation on disconnect in `cancellation`. This module assembles them, with the bearer
 token check in front.
 """
@@ -17,15 +17,15 @@ from __future__ import annotations
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from proctor.server.errors import Code, ScoringError
+from proctor.server.common.errors import Code, ScoringError
 from proctor.server.front.auth import TokenAuth
-from proctor.server.front.completions_serving import CompletionsServing
-from proctor.server.front.http_errors import error_response
-from proctor.server.front.http_router import Serving, router
+from proctor.server.front.http.completions_serving import CompletionsServing
+from proctor.server.front.http.errors import error_response
+from proctor.server.front.http.router import Serving, router
+from proctor.server.front.http.score_serving import ScoreServing
 from proctor.server.front.responses import Responses
-from proctor.server.front.score_serving import ScoreServing
 from proctor.server.front.service import ScoringService
-from proctor.server.settings import ServerOptions
+from proctor.server.front.settings import ServerOptions
 
 
 class BearerTokenMiddleware:
@@ -56,7 +56,7 @@ def create_app(
     *,
     auth: TokenAuth | None = None,
 ) -> FastAPI:
-    """The HTTP app over `service`: every route of `http_router`, behind the token when set."""
+    """The HTTP app over `service`: every route of `router`, behind the token when set."""
     auth = auth or TokenAuth(None)
     app = FastAPI(title="proctor", version="1", summary="Teacher scoring for on-policy distillation")
     if auth.enabled:

@@ -1,7 +1,7 @@
 """The `proctor` commands that run the trainer side: `verify` (a client of a running server: do its
 replicas agree) and `demo` (serves the tiny teacher and distils a student from it).
 
-With `server/cli.py`, which registers them, this is the one place where the server and the
+With `server/cli/main.py`, which registers them, this is the one place where the server and the
 client are composed (DESIGN §2); every import of the client stays inside these commands.
 """
 
@@ -66,7 +66,7 @@ def demo(
     The composition lives here: this command serves the tiny teacher and hands the trainer
     loop (which knows only the client) the server's targets and the model for the tokenizer.
     """
-    from proctor.server.quickstart import print_quickstart, tiny_teacher
+    from proctor.server.cli.quickstart import print_quickstart, tiny_teacher
     from proctor.trainer_adapter.demo import option_error, quiet_bars_in_logs, run_demo
 
     quiet_bars_in_logs()  # before the teacher's replica starts: it inherits the setting
@@ -90,8 +90,8 @@ def demo(
 def _cross_tokenizer_demo(*, steps: int, loss: str | None, transport: str, out: Path, seed: int, teacher: str) -> None:
     """`proctor demo --cross-tokenizer`: the tiny teacher serves aligned requests for the tiny
     student's tokenizer; the student (client side only) distils through them. Exits."""
-    from proctor.server.quickstart import tiny_teacher
-    from proctor.server.tiny_model import ensure_tiny_student
+    from proctor.server.cli.quickstart import tiny_teacher
+    from proctor.server.cli.tiny_model import ensure_tiny_student
     from proctor.trainer_adapter.cross_tokenizer_demo import cross_option_error, run_cross_tokenizer_demo
 
     loss = loss or "gold_hybrid"

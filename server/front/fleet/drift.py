@@ -32,10 +32,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from proctor.server.background import cancel_and_wait
+from proctor.server.common.background import cancel_and_wait
+from proctor.server.common.metrics import NULL_SINK, MetricsSink
 from proctor.server.engines.base import EngineConfigError, EngineInfo, EngineRequest, RequestRejected
-from proctor.server.front.replicas import Replica, ReplicaState
-from proctor.server.metrics import NULL_SINK, MetricsSink
+from proctor.server.front.fleet.replicas import Replica, ReplicaState
 
 log = logging.getLogger(__name__)
 

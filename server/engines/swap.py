@@ -24,7 +24,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from proctor.server.background import cancel_and_wait
+from proctor.server.common.background import cancel_and_wait
+from proctor.server.common.metrics import NULL_SINK, MetricsSink
 from proctor.server.engines.base import (
     DEFAULT_TOKEN_BUDGET,
     EngineError,
@@ -35,7 +36,6 @@ from proctor.server.engines.base import (
     TeacherEngine,
 )
 from proctor.server.engines.torch.engine import TorchEngine
-from proctor.server.metrics import NULL_SINK, MetricsSink
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ class ServerOptions:
     open_paths: tuple[str, ...] = OPEN_PATHS
     # A second, plain-HTTP port serving only /metrics (for scrapers kept off the API port).
     metrics_port: int | None = None
-    # HTTP connections (`front.http_limits`): a request's headers must begin within this many
+    # HTTP connections (`front.http.limits`): a request's headers must begin within this many
     # seconds of the connection opening or of its previous answer; connections past the cap are closed.
     http_header_timeout_s: float = 10.0
     http_max_connections: int = 4096

@@ -12,7 +12,7 @@ from __future__ import annotations
 from fastapi.responses import JSONResponse
 
 from proctor.proto.wire import RETRY_AFTER_HEADER, RETRY_AFTER_MS_HEADER
-from proctor.server.errors import Code, ScoringError
+from proctor.server.common.errors import Code, ScoringError
 
 # OpenAI's error `type` per contract status.
 _OPENAI_TYPES = {

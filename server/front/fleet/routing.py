@@ -24,6 +24,8 @@ from collections.abc import Callable
 from typing import Any
 
 from proctor.proto.routing_keys import UnroutableKey, key_table, route_key
+from proctor.server.common.errors import NOT_READY_RETRY_S, Code, ScoringError
+from proctor.server.common.metrics import NULL_SINK, MetricsSink
 from proctor.server.engines.base import (
     EngineInfo,
     EngineRequest,
@@ -33,13 +35,17 @@ from proctor.server.engines.base import (
     RequestRejected,
     describe_fault,
 )
-from proctor.server.errors import NOT_READY_RETRY_S, Code, ScoringError
-from proctor.server.front.drift import DriftCheck, DriftSettings
-from proctor.server.front.replica_faults import RETRIES_AFTER_FAULT
-from proctor.server.front.replicas import EngineFactory, Replica, ReplicaLost, ReplicaState, engine_replica
-from proctor.server.front.supervisor import RestartPolicy, Supervisor
-from proctor.server.metrics import NULL_SINK, MetricsSink
-from proctor.server.prompt_reuse import PromptAffinity, ReuseSettings
+from proctor.server.engines.prompt_reuse import PromptAffinity, ReuseSettings
+from proctor.server.front.fleet.drift import DriftCheck, DriftSettings
+from proctor.server.front.fleet.replica_faults import RETRIES_AFTER_FAULT
+from proctor.server.front.fleet.replicas import (
+    EngineFactory,
+    Replica,
+    ReplicaLost,
+    ReplicaState,
+    engine_replica,
+)
+from proctor.server.front.fleet.supervisor import RestartPolicy, Supervisor
 
 __all__ = [
     "POLICIES",

@@ -27,7 +27,7 @@ class RowScores:
 def tokenize(text: str, tokenizer_dir: Path | None):
     from transformers import AutoTokenizer
 
-    from proctor.server.tiny_model import ensure_default_model
+    from proctor.server.cli.tiny_model import ensure_default_model
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir or ensure_default_model()), local_files_only=True)
     return tok, tok(text)["input_ids"]

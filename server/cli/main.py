@@ -1,7 +1,7 @@
 """The `proctor` command: serve a teacher, score from the shell, verify a deployment's replicas,
 build the tiny teacher, demo.
 
-With `cli_trainer_side` (the trainer-side commands, `verify` and `demo`, registered here) this is
+With `trainer_side` (the trainer-side commands, `verify` and `demo`, registered here) this is
 the one place that may compose the server and the trainer side: those commands import the client
 and `proctor.trainer_adapter` inside their bodies only, so the server package itself never
 depends on the client.
@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from proctor.server import cli_trainer_side
+from proctor.server.cli import trainer_side
 from proctor.server.front.auth import check_exposure
-from proctor.server.settings import DEFAULTS, ServerOptions
+from proctor.server.front.settings import DEFAULTS, ServerOptions
 
 if TYPE_CHECKING:  # the server's parts are imported by the commands that use them, not at start-up
     from proctor.server.config.plan import ServingPlan
     from proctor.server.engines.base import EngineSpec
-    from proctor.server.front.routing import Router
+    from proctor.server.front.fleet.routing import Router
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   context_settings={"max_content_width": 120},
@@ -169,9 +169,9 @@ def _flag_spec(model: Path | None, *, engine: str, device: str, dtype: str, max_
     """The one teacher's EngineSpec from the flags (without a config file): the built-in tiny
     teacher unless --model names one (checked here: a missing directory is one line, not a
     replica's traceback), hidden states served unless --inference turns them off."""
+    from proctor.server.cli.tiny_model import ensure_default_model
     from proctor.server.engines.base import EngineSpec
     from proctor.server.engines.checks import check_model_path
-    from proctor.server.tiny_model import ensure_default_model
 
     path = check_model_path(model) if model is not None else ensure_default_model()
     settings = _parse_settings(inference)
@@ -202,7 +202,7 @@ def _serve_until_stopped(router: Router, options: ServerOptions, *, switch_inter
     check_exposure(options.host, options.auth_token, allow_unauthenticated=open_ok)  # auth fails closed
     from proctor.server.alignment.students import StudentTokenizerError
     from proctor.server.engines.base import EngineError
-    from proctor.server.runtime import ProctorServer
+    from proctor.server.front.runtime import ProctorServer
 
     async def main() -> int:
         sys.setswitchinterval(switch_interval_ms / 1000)
@@ -230,7 +230,7 @@ def score(
     token: str | None = typer.Option(None, envvar="PROCTOR_AUTH_TOKEN", help="Bearer token."),
 ) -> None:
     """Score token ids or text against a running server and print a table."""
-    from proctor.server.score_cli import format_table, score_once, tokenize
+    from proctor.server.cli.score import format_table, score_once, tokenize
 
     if (ids is None) == (text is None):
         raise typer.BadParameter("give exactly one of --ids or --text")
@@ -258,11 +258,11 @@ def make_tiny_model_cmd(
     """Build a tiny teacher (random weights from a seed, a locally built tokenizer; for the
     multimodal kinds also its image/video processors and audio feature extractor)."""
     if kind == "text":
-        from proctor.server.tiny_model import make_tiny_model
+        from proctor.server.cli.tiny_model import make_tiny_model
 
         path = make_tiny_model(out_dir, vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers, seed=seed)
     else:
-        from proctor.server.tiny_multimodal import KINDS, make_tiny_multimodal
+        from proctor.server.cli.tiny_multimodal import KINDS, make_tiny_multimodal
 
         if kind not in KINDS:
             raise typer.BadParameter(f"--kind must be one of text, {', '.join(KINDS)}; got {kind!r}")
@@ -273,7 +273,7 @@ def make_tiny_model_cmd(
 @app.command()
 def quickstart() -> None:
     """Start the tiny teacher, score a few sequences through gRPC and HTTP, print them."""
-    from proctor.server.quickstart import print_quickstart, tiny_teacher
+    from proctor.server.cli.quickstart import print_quickstart, tiny_teacher
 
     with tiny_teacher() as (server, model_dir):
         print_quickstart(server, model_dir)
@@ -288,8 +288,8 @@ def check_config(config: Path = typer.Argument(..., help="YAML config to check."
 
 
 # The commands that run the trainer side against a server (their module composes with the client).
-app.command()(cli_trainer_side.verify)
-app.command()(cli_trainer_side.demo)
+app.command()(trainer_side.verify)
+app.command()(trainer_side.demo)
 
 
 def main() -> None:

@@ -21,10 +21,10 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from proctor.server.background import cancel_and_wait
+from proctor.server.common.background import cancel_and_wait
+from proctor.server.common.metrics import NULL_SINK, MetricsSink
 from proctor.server.engines.base import EngineRequest, EngineResult, TeacherEngine
-from proctor.server.front.batch_isolation import score_isolating
-from proctor.server.metrics import NULL_SINK, MetricsSink
+from proctor.server.front.fleet.batch_isolation import score_isolating
 
 log = logging.getLogger(__name__)
 

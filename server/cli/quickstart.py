@@ -2,7 +2,7 @@
 through gRPC and through HTTP, printed side by side, so a newcomer sees the whole path work.
 
 `proctor quickstart` prints it and exits; `proctor demo` prints it, then trains against the
-same server. It scores with `score_cli` (the wire contract, not the trainer-side client), so
+same server. It scores with `cli.score` (the wire contract, not the trainer-side client), so
 the server package keeps no dependency on the client.
 """
 
@@ -12,12 +12,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from proctor.server.cli.score import format_table, score_once, tokenize
+from proctor.server.cli.tiny_model import ensure_default_model
 from proctor.server.config import single_teacher_router
 from proctor.server.engines.base import EngineSpec
-from proctor.server.runtime import ServerThread
-from proctor.server.score_cli import format_table, score_once, tokenize
-from proctor.server.settings import ServerOptions
-from proctor.server.tiny_model import ensure_default_model
+from proctor.server.front.runtime import ServerThread
+from proctor.server.front.settings import ServerOptions
 
 SAMPLES = [
     ("User: what is 12 times 7? Assistant:", " 12 times 7 is 84."),
@@ -32,7 +32,7 @@ def tiny_teacher(*, max_topk: int = 64, kind: str = "text", student_tokenizers: 
     loopback ports while the block runs, knowing `student_tokenizers`, with a hidden-state
     projection of `projection_rank` (0: none): (server, model dir)."""
     if kind == "omni":
-        from proctor.server.tiny_multimodal import ensure_tiny_multimodal
+        from proctor.server.cli.tiny_multimodal import ensure_tiny_multimodal
 
         model = ensure_tiny_multimodal("omni-thinker")
     else:

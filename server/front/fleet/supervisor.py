@@ -20,10 +20,10 @@ import logging
 import time
 from dataclasses import dataclass
 
-from proctor.server.background import cancel_and_wait
+from proctor.server.common.background import cancel_and_wait
+from proctor.server.common.metrics import NULL_SINK, MetricsSink
 from proctor.server.engines.base import EngineRequest
-from proctor.server.front.replicas import Replica, ReplicaState
-from proctor.server.metrics import NULL_SINK, MetricsSink
+from proctor.server.front.fleet.replicas import Replica, ReplicaState
 
 log = logging.getLogger(__name__)
 

@@ -19,15 +19,15 @@ from google.protobuf.message import DecodeError
 from proctor.proto import scoring_pb2
 from proctor.proto.framing import STREAM_MEDIA_TYPE, frame
 from proctor.proto.wire import JSON_MEDIA_TYPE, PROTOBUF_MEDIA_TYPE
-from proctor.server.errors import ScoringError, invalid
+from proctor.server.common.errors import ScoringError, invalid
+from proctor.server.common.off_loop import off_loop_if
 from proctor.server.front.bounded_json import loads_bounded
-from proctor.server.front.cancellation import ClientGone, cancel_on_disconnect, client_gone
-from proctor.server.front.http_errors import error_response
-from proctor.server.front.http_models import ScoreBody
-from proctor.server.front.http_request import (
+from proctor.server.front.http.cancellation import ClientGone, cancel_on_disconnect, client_gone
+from proctor.server.front.http.errors import error_response
+from proctor.server.front.http.models import ScoreBody
+from proctor.server.front.http.request import (
     INLINE_BODY_BYTES,
     content_type,
-    off_loop_if,
     read_body,
     request_timeout,
 )

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
+from proctor.server.cli.tiny_model import build_tokenizer
 from proctor.server.engines.torch.loading import build
-from proctor.server.tiny_model import build_tokenizer
 
 KINDS = ("vl", "omni-thinker")
 VL_DIR = Path.home() / ".cache" / "proctor" / "tiny-vl"

@@ -24,7 +24,7 @@ from fastapi import Request
 from fastapi.responses import Response
 from starlette.types import Receive
 
-from proctor.server.errors import ScoringError
+from proctor.server.common.errors import ScoringError
 
 # nginx's status for "client closed request": what a call whose client left is answered.
 CLIENT_GONE_STATUS = 499
