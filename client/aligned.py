@@ -13,14 +13,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
+from proctor.client.scores import TeacherScores
 from proctor.proto import decode_tensor, scoring_pb2
-
-if TYPE_CHECKING:
-    from proctor.client.client import TeacherScores
 
 
 @dataclass(frozen=True)

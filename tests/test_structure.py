@@ -1,8 +1,13 @@
 """The package's shape, read from its source (an AST pass, nothing imported).
 
-- No import cycle among proctor's modules, counting imports inside functions too: a lazy
-  import may keep a heavy optional library (vLLM) off the import path, never hide a cycle.
-  Imports under `if TYPE_CHECKING:` are annotations only and are left out.
+- No import cycle among proctor's modules, counting imports inside functions and under
+  `if TYPE_CHECKING:` too: a lazy import may keep a heavy optional library (vLLM) off the import
+  path, and an annotation-only import may name a type, but neither may hide a cycle (an object
+  handed down that calls back up is a cycle at run time even when no import shows it).
+- No module imports upward: the server's layers, lowest first, are `common`, `engines`,
+  `alignment`, `worker`, `front.fleet`, `front` (its core), `front.http`, `front.runtime` (the
+  front process: both transports in one loop), `config`, `cli`; a module imports only its own
+  layer and those below.
 - No module in `server/` over 350 lines and no function anywhere over 60 (the generated gRPC
   stubs aside): a module with one job fits in one reading.
 """
@@ -62,12 +67,13 @@ def _owner(name: str) -> str | None:
     return name or None
 
 
-def import_graph() -> dict[str, set[str]]:
-    """module -> the proctor modules it imports (module level and inside functions)."""
+def import_graph(*, annotations: bool = True) -> dict[str, set[str]]:
+    """module -> the proctor modules it imports (module level, inside functions and, with
+    `annotations`, under `if TYPE_CHECKING:`)."""
     graph: dict[str, set[str]] = {}
     for module, path in MODULES.items():
         tree = ast.parse(path.read_text())
-        skip = _type_checking_nodes(tree)
+        skip = set() if annotations else _type_checking_nodes(tree)
         targets = set()
         for node in ast.walk(tree):
             if id(node) in skip:
@@ -129,10 +135,40 @@ def test_the_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": set()}) == []
 
 
-def test_no_import_cycle_even_through_lazy_imports():
+def test_no_import_cycle_even_through_lazy_or_annotation_imports():
     graph = import_graph()
     assert sum(len(edges) for edges in graph.values()) > 100  # the pass reads real imports
+    assert len(graph["proctor.server.front.aligned_scoring"]) > len(
+        import_graph(annotations=False)["proctor.server.front.aligned_scoring"])  # TYPE_CHECKING ones are read
     assert cycles(graph) == []
+
+
+# The server's layers, lowest first (a module's layer is its longest matching prefix).
+SERVER_LAYERS = ("proctor.server.common", "proctor.server.engines", "proctor.server.alignment",
+                 "proctor.server.worker", "proctor.server.front.fleet", "proctor.server.front",
+                 "proctor.server.front.http", "proctor.server.front.runtime", "proctor.server.config",
+                 "proctor.server.cli")
+
+
+def _layer(module: str) -> int | None:
+    matches = [i for i, prefix in enumerate(SERVER_LAYERS) if module == prefix or module.startswith(prefix + ".")]
+    return max(matches, key=lambda i: len(SERVER_LAYERS[i])) if matches else None
+
+
+def test_no_server_module_imports_upward():
+    upward = sorted((module, target) for module, targets in import_graph().items() for target in targets
+                    if (low := _layer(module)) is not None and (high := _layer(target)) is not None and high > low)
+    assert _layer("proctor.server.front.http.app") > _layer("proctor.server.front.service") > _layer(
+        "proctor.server.front.fleet.routing")
+    assert upward == []
+
+
+def test_the_server_root_holds_no_module():
+    """Every server module lives in the package of its layer; the root is the package alone."""
+    loose = sorted(path.name for path in (ROOT / "server").glob("*.py") if path.name != "__init__.py")
+    assert loose == []
+    assert all(_layer(module) is not None for module in MODULES
+               if module.startswith("proctor.server.") and module.count(".") > 2)
 
 
 def test_no_server_module_over_350_lines():

@@ -1,12 +1,13 @@
-"""The service's path for aligned requests: a student with another tokenizer.
+"""The student tokenizers of one service, and the steps of an aligned request (a student with
+another tokenizer) that are not the teacher's scoring.
 
-An aligned request is routed as any other (its `teacher_key`), checked and turned into the
-teacher's request (`aligned_request.plan_aligned`), scored through the service's own path
-(validation, admission, routing, failover, metrics), and its answer mapped to the student's
-rows (`ScoredRequest.aligned`). Its sizes are checked by counting before anything else
-(`check_sizes`); then it is admitted, and only then does the work that grows with it (rendering,
-decoding, tokenizing, mapping) run, in a worker thread once the request is large, so the event
-loop keeps serving.
+The service drives an aligned request (`ScoringService.score`, routed once like any request):
+`check` holds the size rules that need no reading, by counting, before admission; once admitted,
+`plan` turns it into the teacher's request (`aligned_request.plan_aligned`), which the service
+scores by its own path (validation, replicas, failover, metrics); `answer` maps the teacher's rows
+to the student's (`ScoredRequest.aligned`). The work that grows with a request (rendering,
+decoding, tokenizing, mapping) runs in a worker thread once the request is large, so the event
+loop keeps serving. Nothing here calls the service: it holds no reference to it.
 The student tokenizers and every pair's map are loaded once, at start (`load`).
 """
 
@@ -15,19 +16,19 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from proctor.proto import scoring_pb2
-from proctor.server.alignment.students import StudentTokenizers, Unalignable
+from proctor.server.alignment.answer import AlignedAnswer
+from proctor.server.alignment.students import Pair, StudentTokenizers, Unalignable
 from proctor.server.common.errors import Code, ScoringError, invalid
 from proctor.server.common.off_loop import off_loop_if
-from proctor.server.front.aligned_request import check_sizes, plan_aligned
-from proctor.server.front.validation import request_mode
+from proctor.server.engines.base import EngineResult
+from proctor.server.front.aligned_request import AlignedPlan, check_sizes, plan_aligned
 
 if TYPE_CHECKING:
     from proctor.server.front.fleet.routing import ReplicaSet
-    from proctor.server.front.service import ScoredRequest, ScoringService
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +36,23 @@ log = logging.getLogger(__name__)
 ALIGN_INLINE_TOKENS = 1024
 
 
+@dataclass(frozen=True)
+class AlignedAsk:
+    """An aligned request whose sizes passed: its tokenizer pair and the tokens it is admitted for."""
+
+    request: scoring_pb2.ScoreRequest
+    teacher_set: ReplicaSet
+    pair: Pair
+    tokens: int
+
+    @property
+    def large(self) -> bool:
+        """Whether its planning and mapping run in a worker thread."""
+        return len(self.request.token_ids) > ALIGN_INLINE_TOKENS or bool(self.request.messages)
+
+
 class AlignedScoring:
-    """The student tokenizers of one service, and the aligned requests scored with them."""
+    """The student tokenizers of one service, and the aligned requests' checking, planning and mapping."""
 
     def __init__(self, student_tokenizers: Mapping[str, str] | None = None) -> None:
         self.tokenizers = StudentTokenizers(student_tokenizers)
@@ -46,39 +62,26 @@ class AlignedScoring:
         dirs = {teacher_set.name: teacher_set.tokenizer_path for teacher_set in teacher_sets}
         await asyncio.to_thread(self.tokenizers.load, dirs)
 
-    async def score(self, service: ScoringService, request: scoring_pb2.ScoreRequest, *, timeout: float | None,
-                    unary: bool) -> ScoredRequest:
-        """One aligned request end to end; ScoringError as any request's."""
-        mode = request_mode(request)
-        teacher_set = service.route(request)
-        large = len(request.token_ids) > ALIGN_INLINE_TOKENS or bool(request.messages)
+    def check(self, request: scoring_pb2.ScoreRequest, teacher_set: ReplicaSet) -> AlignedAsk:
+        """The pair and the size rules, by counting alone (before admission); ScoringError names the field."""
         try:
-            service.check_serving()
-            try:
-                pair = self.tokenizers.pair(request.student_tokenizer, teacher_set.name)
-            except Unalignable as exc:
-                raise invalid("student_tokenizer", str(exc)) from None
-            tokens = check_sizes(request, teacher_set.info, teacher_set.name)
-            admission = service.admit(teacher_set, tokens)
-        except ScoringError as exc:
-            service.metrics.request_done(teacher_set.name, mode, exc.code.name.lower())
-            raise
+            pair = self.tokenizers.pair(request.student_tokenizer, teacher_set.name)
+        except Unalignable as exc:
+            raise invalid("student_tokenizer", str(exc)) from None
+        return AlignedAsk(request, teacher_set, pair, check_sizes(request, teacher_set.info, teacher_set.name))
+
+    async def plan(self, ask: AlignedAsk) -> AlignedPlan:
+        """The teacher's request and the chunks that map its rows back (admitted: it reads the request)."""
+        info = ask.teacher_set.info
+        return await off_loop_if(ask.large, plan_aligned, ask.request, ask.pair, info, ask.teacher_set.name)
+
+    async def answer(self, ask: AlignedAsk, plan: AlignedPlan, result: EngineResult) -> AlignedAnswer:
+        """The teacher's rows mapped to the student's; a fault of the mapping is INTERNAL, never a wrong answer."""
         try:
-            try:
-                plan = await off_loop_if(large, plan_aligned, request, pair, teacher_set.info, teacher_set.name)
-            except ScoringError as exc:
-                service.metrics.request_done(teacher_set.name, mode, exc.code.name.lower())
-                raise
-            scored = await service.score_teacher(plan.teacher_request, timeout=timeout, unary=unary, mode=mode,
-                                                 admitted=True)
-        finally:
-            service.release(admission, tokens)
-        try:
-            answer = await off_loop_if(large, plan.answer, scored.result)
-        except Exception as exc:  # a fault of the mapping, not of the request: say so, never a wrong answer
+            return await off_loop_if(ask.large, plan.answer, result)
+        except Exception as exc:
             log.exception("aligning the teacher's answer failed")
             raise ScoringError(Code.INTERNAL, f"aligning the teacher's answer failed: {exc}") from exc
-        return replace(scored, num_tokens=plan.num_tokens, aligned=answer)
 
     def vocabularies(self, teacher: str) -> list[scoring_pb2.AlignedVocabulary]:
         """The teacher's pairs as ListTeachers lists them."""

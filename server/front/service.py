@@ -2,7 +2,7 @@
 
 gRPC and HTTP are thin shells over this class: both hand it a `ScoreRequest` message and
 turn its `ScoringError`s into their own status codes; `responses` builds their answers. The
-request path touches each piece once: transport → `Router.route` → `validation.validate` →
+request path touches each piece once: transport → `route` (once) → `validation.validate` →
 media decoded off the loop → admission → `ReplicaSet.score` (replica, batcher, engine) →
 `ScoredRequest` → `responses` (encoding and byte count) → transport. Admission is a bounded per-teacher
 budget of requests and tokens: past it a request is refused at once with a retry hint
@@ -13,11 +13,12 @@ piling up memory.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -124,14 +125,33 @@ class ScoringService:
 
     # -- scoring ---------------------------------------------------------------------------
     def route(self, request: scoring_pb2.ScoreRequest) -> ReplicaSet:
-        """The teacher `request` goes to, by the rule `score` routes with, for a transport that
-        must know it before scoring (/v1/completions tokenizes text with the teacher's
-        tokenizer); a key that names no teacher is counted as `score` counts it."""
+        """The teacher `request` goes to, once per request: `score` routes with it, and a transport
+        that must know the teacher before scoring (/v1/completions tokenizes text with the
+        teacher's tokenizer) routes here and scores with `score_on`. A server not serving, or a key
+        that names no teacher, is counted under the teacher "unknown"."""
         try:
+            self.check_serving()
             return self.router.route(request.teacher_key)
         except ScoringError as exc:
             self.metrics.request_done("unknown", request_mode(request), exc.code.name.lower())
             raise
+
+    @contextlib.contextmanager
+    def _counted(self, teacher: str, mode: str) -> Iterator[None]:
+        """Count a request that fails in the block under its teacher and mode; an unexpected
+        fault becomes INTERNAL (with its traceback in the log), never a bare exception."""
+        try:
+            yield
+        except ScoringError as exc:
+            self.metrics.request_done(teacher, mode, exc.code.name.lower())
+            raise
+        except asyncio.CancelledError:
+            self.metrics.request_done(teacher, mode, "cancelled")
+            raise
+        except Exception as exc:
+            log.exception("scoring failed")
+            self.metrics.request_done(teacher, mode, "internal")
+            raise ScoringError(Code.INTERNAL, f"scoring failed: {exc}") from exc
 
     def admit(self, teacher_set: ReplicaSet, tokens: int) -> _Admission:
         """Count `tokens` against the teacher's budget, or refuse at once (RESOURCE_EXHAUSTED)."""
@@ -165,49 +185,56 @@ class ScoringService:
         """Score one request end to end; raises ScoringError with the contract's codes.
 
         `unary`: the answer goes in one message, so hidden states must fit `limits.max_answer_bytes`
-        (streamed answers have no such bound). A request naming a `student_tokenizer` is aligned
-        (`AlignedScoring`): scored as the teacher's request, answered in the student's rows."""
+        (streamed answers have no such bound). A request naming a `student_tokenizer` is aligned:
+        scored as the teacher's request, answered in the student's rows."""
+        teacher_set = self.route(request)
         if request.student_tokenizer:
-            return await self.aligned.score(self, request, timeout=timeout, unary=unary)
-        return await self.score_teacher(request, timeout=timeout, unary=unary)
+            return await self._score_aligned(teacher_set, request, timeout=timeout, unary=unary)
+        return await self.score_on(teacher_set, request, timeout=timeout, unary=unary)
 
-    async def score_teacher(self, request: scoring_pb2.ScoreRequest, *, timeout: float | None = None,
-                            unary: bool = True, mode: str | None = None, admitted: bool = False,
-                            ranks: bool = False) -> ScoredRequest:
-        """Score a request over the teacher's own ids (counted under `mode`, default its own);
-        `admitted`: its caller has admitted it already (an aligned request, admitted before planning);
-        `ranks`: the actual tokens' ranks too (vLLM-shaped answers carry them, gRPC's do not)."""
+    async def _score_aligned(self, teacher_set: ReplicaSet, request: scoring_pb2.ScoreRequest, *,
+                             timeout: float | None, unary: bool) -> ScoredRequest:
+        """An aligned request: sizes counted, admitted at the teacher's length, planned, scored by
+        the teacher's path (counted there) and mapped to the student's rows (`AlignedScoring`)."""
+        mode = request_mode(request)
+        with self._counted(teacher_set.name, mode):
+            ask = self.aligned.check(request, teacher_set)
+            admission = self.admit(teacher_set, ask.tokens)
+        try:
+            with self._counted(teacher_set.name, mode):
+                plan = await self.aligned.plan(ask)
+            scored = await self.score_on(teacher_set, plan.teacher_request, timeout=timeout, unary=unary,
+                                         mode=mode, admitted=True)
+        finally:
+            self.release(admission, ask.tokens)
+        answer = await self.aligned.answer(ask, plan, scored.result)
+        return replace(scored, num_tokens=plan.num_tokens, aligned=answer)
+
+    async def score_on(self, teacher_set: ReplicaSet, request: scoring_pb2.ScoreRequest, *,
+                       timeout: float | None = None, unary: bool = True, mode: str | None = None,
+                       admitted: bool = False, ranks: bool = False) -> ScoredRequest:
+        """Score a request over the teacher's own ids on `teacher_set` (routed by `route`), counted
+        under `mode` (default its own); `admitted`: its caller has admitted it already (an aligned
+        request, admitted before planning); `ranks`: the actual tokens' ranks too (vLLM-shaped
+        answers carry them, gRPC's do not)."""
         started = time.monotonic()
         mode = mode or request_mode(request)
-        teacher_name = "unknown"
-        try:
+        with self._counted(teacher_set.name, mode):
             self.check_serving()
-            teacher_set = self.router.route(request.teacher_key)
-            teacher_name = teacher_set.name
             valid = validate(teacher_set, request, max_answer_bytes=self.limits.max_answer_bytes if unary else None,
                              ranks=ranks)
             valid = await decode(valid, self.limits.media)
             tokens = valid.request.num_tokens
-            admission = None if admitted else self.admit(valid.teacher_set, tokens)
+            admission = None if admitted else self.admit(teacher_set, tokens)
             try:
                 result = await self._score_admitted(valid, timeout)
                 check_finite(valid.request, result)
             finally:
                 if admission is not None:
                     self.release(admission, tokens)
-        except ScoringError as exc:
-            self.metrics.request_done(teacher_name, mode, exc.code.name.lower())
-            raise
-        except asyncio.CancelledError:
-            self.metrics.request_done(teacher_name, mode, "cancelled")
-            raise
-        except Exception as exc:
-            log.exception("scoring failed")
-            self.metrics.request_done(teacher_name, mode, "internal")
-            raise ScoringError(Code.INTERNAL, f"scoring failed: {exc}") from exc
-        self.metrics.request_scored(teacher_name, mode, tokens, latency=time.monotonic() - started,
+        self.metrics.request_scored(teacher_set.name, mode, tokens, latency=time.monotonic() - started,
                                     queue=result.queue_seconds, engine=result.engine_seconds)
-        return ScoredRequest(valid.request.request_id, teacher_name, valid.teacher_set.info.model, tokens, result, mode)
+        return ScoredRequest(valid.request.request_id, teacher_set.name, teacher_set.info.model, tokens, result, mode)
 
     async def _score_admitted(self, valid: ValidRequest, timeout: float | None) -> EngineResult:
         limit = timeout if timeout is not None else self.limits.default_timeout_s

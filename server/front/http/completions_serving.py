@@ -74,12 +74,13 @@ def build_requests(ask: CompletionBody, teacher_name: str, tokenizer: Any) -> Bu
     return Built(prompts, messages)
 
 
-async def score_all(service: ScoringService, messages: list[scoring_pb2.ScoreRequest],
+async def score_all(service: ScoringService, teacher_set: ReplicaSet, messages: list[scoring_pb2.ScoreRequest],
                     timeout: float | None) -> list[ScoredRequest]:
-    """Score a call's prompts at once, answers in order. The first error fails the call and
-    withdraws the rest; a cancelled call (its client gone) withdraws them all."""
+    """Score a call's prompts at once on the teacher the call was routed to, answers in order.
+    The first error fails the call and withdraws the rest; a cancelled call (its client gone)
+    withdraws them all."""
     # Its answer's prompt_logprobs name each actual token's rank: asked of the engine here only.
-    jobs = [asyncio.ensure_future(service.score_teacher(message, timeout=timeout, unary=True, ranks=True))
+    jobs = [asyncio.ensure_future(service.score_on(teacher_set, message, timeout=timeout, unary=True, ranks=True))
             for message in messages]
     try:
         return await asyncio.gather(*jobs)
@@ -147,5 +148,5 @@ class CompletionsServing:
         tokenizer = await self.tokenizers.tokenizer(teacher_set)
         texts = any(isinstance(prompt, str) for prompt in ask.prompts)
         built = await off_loop_if(large or texts, build_requests, ask, teacher_set.name, tokenizer)
-        scored = await score_all(self.service, built.messages, request_timeout(request))
+        scored = await score_all(self.service, teacher_set, built.messages, request_timeout(request))
         return _Scored(ask, teacher_set, tokenizer, built.prompts, scored)
