@@ -503,3 +503,26 @@ def test_omni_fakes_match_the_real_library(tmp_path):
     assert fake == real
     assert real[0] == {"engine_output_type": "latent", "max_num_seqs": 48, "max_logprobs": 8}
     assert all("error" in outcome for outcome in real[1:])
+
+
+def test_a_stale_egg_info_that_hides_the_hidden_state_plugin_stops_the_start(tmp_path):
+    """Real metadata, real lookup: in a working folder holding an old `proctor.egg-info` (no
+    `vllm_omni.general_plugins` entry), Python finds that one first and the stages would never
+    load the plugin, so the engine refuses to start in one line; from a clean folder it passes."""
+    import subprocess
+    import sys
+
+    stale = tmp_path / "stale" / "proctor.egg-info"
+    stale.mkdir(parents=True)
+    (stale / "PKG-INFO").write_text("Metadata-Version: 2.1\nName: proctor\nVersion: 0.1.0\n")
+    (stale / "entry_points.txt").write_text("[console_scripts]\nproctor = proctor.server.cli.main:main\n")
+    check = ("from proctor.server.engines.vllm_omni import adapter\n"
+             "try:\n    adapter.ask_for_hidden_states()\nexcept Exception as exc:\n    print(type(exc).__name__, exc)\n"
+             "else:\n    print('registered')\n")
+    (tmp_path / "clean").mkdir()
+    runs = {where: subprocess.run([sys.executable, "-c", check], cwd=tmp_path / where, capture_output=True,
+                                  text=True, timeout=120) for where in ("stale", "clean")}
+    assert runs["clean"].stdout.strip() == "registered", runs["clean"].stderr
+    refused = runs["stale"].stdout.strip()
+    assert refused.startswith("EngineConfigError inference.name=vllm_omni: proctor's vLLM-Omni plugin"), refused
+    assert "stale proctor.egg-info" in refused and "\n" not in refused

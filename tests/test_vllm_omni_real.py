@@ -15,10 +15,6 @@ the replica comes back, as the vLLM engine's failover does (tests/test_vllm_repl
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import os
-import signal
-import threading
 
 import grpc
 import httpx
@@ -32,7 +28,13 @@ from proctor.proto.codec import encode_tensor
 
 from support.multimodal import Sample, assert_http_score_matches, assert_scores_match, processor_of, reference
 from support.omni import omni_server
-from support.servers import alive, engine_processes, metric_total, replica_metrics, wait_for
+from support.servers import (
+    engine_processes,
+    kill_one_under_load,
+    metric_total,
+    replica_metrics,
+    wait_for,
+)
 
 TOPK = 4
 MAX_MODEL_LEN = 1024
@@ -64,7 +66,6 @@ def _stub(server):
 
 _metrics = replica_metrics
 _total = metric_total
-_alive = alive
 
 
 def stage_processes(server) -> dict:
@@ -154,38 +155,12 @@ def test_killed_stage_process_under_load_loses_nothing_and_the_replica_comes_bac
     tokenizer = processor_of(omni_model).tokenizer
     texts = [f"User: request {i} asks what {i} times 7 is." * (1 + i % 3) for i in range(24)]
     work = {f"kill-{i}": tokenizer(text)["input_ids"] for i, text in enumerate(texts)}
-    answered: dict[str, list] = {}
-    in_flight = [0]
-    lock = threading.Lock()
-
-    def call(item):
-        request_id, ids = item
-        with lock:
-            in_flight[0] += 1
-        try:
-            response = _stub(real_omni).Score(
-                scoring_pb2.ScoreRequest(request_id=request_id, token_ids=ids, logprobs=True), timeout=600)
-        finally:
-            with lock:
-                in_flight[0] -= 1
-        with lock:
-            answered.setdefault(response.request_id, []).append(response)
-
-    os.kill(victim.pid, signal.SIGSTOP)
-    os.kill(survivor.pid, signal.SIGSTOP)
-    try:
-        with concurrent.futures.ThreadPoolExecutor(len(work)) as pool:
-            futures = [pool.submit(call, item) for item in work.items()]
-            wait_for(lambda: in_flight[0] >= len(work), timeout=10, interval=0.01)
-            killed_with = in_flight[0]
-            os.kill(victim.pid, signal.SIGKILL)
-            os.kill(survivor.pid, signal.SIGCONT)
-            errors = [f.exception() for f in futures]
-    finally:
-        if _alive(survivor):
-            os.kill(survivor.pid, signal.SIGCONT)
-    assert killed_with == len(work)
-    assert errors == [None] * len(work)
+    # Both stage processes held stopped until all 24 are in flight: the tiny Thinker answers fast.
+    load = kill_one_under_load(_stub(real_omni), work, victim, survivor, in_flight_at_kill=len(work), wait_s=10,
+                               call_timeout=600)
+    answered = load.answered
+    assert load.killed_with == len(work)
+    assert load.errors == [None] * len(work)
     assert sorted(answered) == sorted(work) and all(len(v) == 1 for v in answered.values())
     for request_id, (response,) in answered.items():
         ids = work[request_id]

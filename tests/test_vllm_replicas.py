@@ -12,7 +12,6 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import signal
-import threading
 import time
 
 import grpc
@@ -26,7 +25,15 @@ from proctor.proto.codec import decode_tensor
 
 from support.reference import assert_matches_reference
 from support.scoring import sequences
-from support.servers import SubprocessServer, alive, engine_cores, metric_total, replica_metrics, wait_for
+from support.servers import (
+    SubprocessServer,
+    alive,
+    engine_cores,
+    kill_one_under_load,
+    metric_total,
+    replica_metrics,
+    wait_for,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -142,44 +149,15 @@ def test_killed_engine_core_under_load_loses_nothing_computes_nothing_twice_and_
     victim = cores["tiny-0"]
     before = _metrics(two_replicas)
     work = {f"kill-{i}": ids for i, ids in enumerate(sequences(96, seed=5, length=(150, 400)))}
-    answered: dict[str, list] = {}
-    in_flight = [0]
-    peak = [0]
-    lock = threading.Lock()
-
-    def call(item):
-        request_id, ids = item
-        with lock:
-            in_flight[0] += 1
-            peak[0] = max(peak[0], in_flight[0])
-        try:
-            response = _stub(two_replicas).Score(
-                scoring_pb2.ScoreRequest(request_id=request_id, token_ids=ids, logprobs=True), timeout=300)
-        finally:
-            with lock:
-                in_flight[0] -= 1
-        with lock:
-            answered.setdefault(response.request_id, []).append(response)
-
     survivor = cores["tiny-1"]
     # The tiny teacher answers a request in milliseconds, so both EngineCores are held stopped
     # (for well under the health probe's timeout) until at least 64 requests are surely in
     # flight; then the survivor resumes and the victim is killed with all of them outstanding.
-    os.kill(victim.pid, signal.SIGSTOP)
-    os.kill(survivor.pid, signal.SIGSTOP)
-    try:
-        with concurrent.futures.ThreadPoolExecutor(96) as pool:
-            futures = [pool.submit(call, item) for item in work.items()]
-            wait_for(lambda: in_flight[0] >= 64, timeout=5, interval=0.005)
-            killed_with = in_flight[0]
-            os.kill(victim.pid, signal.SIGKILL)
-            os.kill(survivor.pid, signal.SIGCONT)
-            errors = [f.exception() for f in futures]
-    finally:
-        if _alive(survivor):
-            os.kill(survivor.pid, signal.SIGCONT)
-    assert killed_with >= 64
-    assert errors == [None] * len(work)
+    load = kill_one_under_load(_stub(two_replicas), work, victim, survivor, in_flight_at_kill=64, wait_s=5,
+                               call_timeout=300)
+    answered = load.answered
+    assert load.killed_with >= 64
+    assert load.errors == [None] * len(work)
     assert sorted(answered) == sorted(work) and all(len(v) == 1 for v in answered.values())
     for request_id, (response,) in answered.items():
         _check(vllm_model_dir, work[request_id], response)

@@ -228,3 +228,56 @@ def alive(proc) -> bool:
         return proc.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+@dataclass
+class KilledUnderLoad:
+    """What `kill_one_under_load` saw: requests in flight at the kill, each call's error (None:
+    answered) and every answer by request id (a request answered twice is listed twice)."""
+
+    killed_with: int
+    errors: list
+    answered: dict[str, list]
+
+
+def kill_one_under_load(stub, work: dict[str, list[int]], victim, survivor, *, in_flight_at_kill: int,
+                        wait_s: float, call_timeout: float) -> KilledUnderLoad:
+    """Score `work` (request id -> ids, log-probs) from one thread each while both engine processes
+    are held stopped (SIGSTOP), so the requests surely wait in the server; once at least
+    `in_flight_at_kill` are in flight (waiting up to `wait_s`), SIGKILL `victim`, resume `survivor`
+    and collect every call. The survivor is resumed whatever happens."""
+    import os
+
+    from proctor.proto import scoring_pb2
+
+    answered: dict[str, list] = {}
+    in_flight = [0]
+    lock = threading.Lock()
+
+    def call(item):
+        request_id, ids = item
+        with lock:
+            in_flight[0] += 1
+        try:
+            response = stub.Score(scoring_pb2.ScoreRequest(request_id=request_id, token_ids=ids, logprobs=True),
+                                  timeout=call_timeout)
+        finally:
+            with lock:
+                in_flight[0] -= 1
+        with lock:
+            answered.setdefault(response.request_id, []).append(response)
+
+    os.kill(victim.pid, signal.SIGSTOP)
+    os.kill(survivor.pid, signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(len(work)) as pool:
+            futures = [pool.submit(call, item) for item in work.items()]
+            wait_for(lambda: in_flight[0] >= in_flight_at_kill, timeout=wait_s, interval=0.005)
+            killed_with = in_flight[0]
+            os.kill(victim.pid, signal.SIGKILL)
+            os.kill(survivor.pid, signal.SIGCONT)
+            errors = [f.exception() for f in futures]
+    finally:
+        if alive(survivor):
+            os.kill(survivor.pid, signal.SIGCONT)
+    return KilledUnderLoad(killed_with, errors, answered)

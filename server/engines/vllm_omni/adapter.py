@@ -26,6 +26,7 @@ same environment is left as it is.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import logging
 import os
 from typing import Any
@@ -35,6 +36,10 @@ from proctor.server.engines.base import EngineConfigError, EngineError
 
 log = logging.getLogger(__name__)
 
+# Proctor's entry point in vLLM-Omni's plugin group (pyproject.toml), and what it names.
+PLUGIN_GROUP = "vllm_omni.general_plugins"
+PLUGIN_NAME = "proctor_thinker_hidden"
+PLUGIN_VALUE = f"{__name__}:register_plugin"
 # Set by the engine before it starts AsyncOmni; inherited by the stage processes it spawns.
 HIDDEN_STATES_ENV = "PROCTOR_OMNI_THINKER_HIDDEN_STATES"
 # The payload key the AR runner puts the last-layer hidden states under.
@@ -67,8 +72,24 @@ def async_omni_class() -> Any:
     return AsyncOmni
 
 
+def check_plugin_registered() -> None:
+    """Refuse to start (one line) where vLLM-Omni would not load `register_plugin`: its stages
+    would then hand back no hidden states and every request would fail. Seen when an old
+    `proctor.egg-info` in the working folder (from an install before the plugin existed) shadows
+    the installed metadata; the stage processes read the same entry points as this one."""
+    found = [point.value for point in importlib.metadata.entry_points(group=PLUGIN_GROUP) if point.name == PLUGIN_NAME]
+    if found != [PLUGIN_VALUE]:
+        raise EngineConfigError(
+            f"inference.name=vllm_omni: proctor's vLLM-Omni plugin ({PLUGIN_GROUP}: {PLUGIN_NAME} = {PLUGIN_VALUE}) "
+            f"is not what this environment registers ({found or 'nothing'}), so the Thinker would return no hidden "
+            "states: install proctor into this environment again, and remove any stale proctor.egg-info in the "
+            "working folder")
+
+
 def ask_for_hidden_states() -> None:
-    """Make the stages this process starts declare the Thinker's hidden states (`register_plugin`)."""
+    """Make the stages this process starts declare the Thinker's hidden states (`register_plugin`),
+    once it is sure they will load it."""
+    check_plugin_registered()
     os.environ[HIDDEN_STATES_ENV] = "1"
 
 
