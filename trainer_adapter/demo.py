@@ -130,20 +130,6 @@ class _Progress:
             self._bar.close()
 
 
-def quiet_bars_in_logs() -> None:
-    """When stderr is not a terminal (a log), no progress bars: transformers' weight-loading bars
-    (here, and, through the environment, in the teacher's replica workers started afterwards)
-    would write their redraws between the demo's lines. Bars stay on a terminal."""
-    if sys.stderr.isatty():
-        return
-    import os
-
-    from transformers.utils import logging as transformers_logging
-
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # read by transformers at import
-    transformers_logging.disable_progress_bar()
-
-
 def _student_topk(student, rollouts, k: int) -> list[torch.Tensor]:
     """The student's top-k per response row of each rollout (what it put its mass on), the
     score_ids that `student_topk_reverse_kl` needs the teacher to score."""
@@ -284,7 +270,6 @@ def run_demo(targets: Mapping[str, str], model_dir: Path, *, steps: int = 30, lo
         print(f"proctor demo: {problem}", file=sys.stderr)
         return 2
     settings = DemoSettings(steps=steps, loss=loss, transport=transport, seed=seed, **overrides)
-    quiet_bars_in_logs()
     torch.manual_seed(seed)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -298,7 +283,7 @@ def run_demo(targets: Mapping[str, str], model_dir: Path, *, steps: int = 30, lo
     print(f"on-policy distillation of the {teacher} teacher{form}: transport {transport}, {steps} steps, "
           f"{len(PROMPTS)} prompts x {settings.samples_per_prompt} samples x {settings.response_length} tokens, "
           f"sampled in {settings.groups} batches")
-    print(f"loss {loss}: {MEANINGS[loss]}, in {UNIT} (the loss library's loss_mode {LOSSES[loss]!r})")
+    print(f"loss {loss}: {MEANINGS[loss]}, in {UNIT} (the loss library's loss_mode {LOSSES[loss]!r}, verl-omni's name)")
     started = time.monotonic()
     logs = train(targets[transport], student, settings)
     elapsed = time.monotonic() - started
@@ -308,6 +293,7 @@ def run_demo(targets: Mapping[str, str], model_dir: Path, *, steps: int = 30, lo
                          f"proctor demo: {loss} over {transport}", unit=UNIT)
     (out / f"loss_{loss}.json").write_text(json.dumps([log.__dict__ for log in logs], indent=1))
     ratio = losses[-1] / losses[0] if losses[0] else float("nan")
+    drawn = "matplotlib" if writer == "matplotlib" else "a bare curve without axis text: install matplotlib for one"
     print(f"\nloss {losses[0]:.4f} -> {losses[-1]:.4f} {UNIT} (x{ratio:.3f}) in {elapsed:.1f}s; "
-          f"plot {plot} ({writer}), log {out / f'loss_{loss}.json'}")
+          f"plot {plot} ({drawn}), log {out / f'loss_{loss}.json'}")
     return 0

@@ -18,9 +18,15 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import hydra
-import ray
-from omegaconf import open_dict
+try:
+    import hydra
+    import ray
+    from omegaconf import open_dict
+except ImportError as missing:  # `make demo`'s .venv has no verl stack: say so in one line when run
+    if __name__ == "__main__":
+        raise SystemExit(f"verl_main needs verl and its stack ({missing.name} is not installed): `make setup` "
+                         "builds the full .venv; elsewhere install proctor[verl] in verl's environment") from None
+    raise
 
 from proctor.trainer_adapter.verl import patch_verl, proctor_serves_teachers
 

@@ -86,10 +86,10 @@ def serve(
     dtype: str = typer.Option("auto", help="auto | float32 | bfloat16 | float16"),
     max_topk: int = typer.Option(64, help="Largest top-k a request may ask for."),
     max_model_len: int | None = typer.Option(None, help="Longest sequence (default: the model's)."),
-    replicas: int = typer.Option(1, help="Replicas of the teacher (vLLM engines each run in a replica worker of their own)."),
+    replicas: int = typer.Option(1, help="Replicas of the teacher (each in a replica worker process of its own)."),
     health_check_interval_s: float = typer.Option(5.0, help="Seconds between health sweeps of the replicas."),
     startup_timeout_s: float = typer.Option(1800.0, help="Seconds a replica may take to start before it fails with its log tail."),
-    inference: list[str] = typer.Option([], "--inference", help="Engine setting KEY=VALUE (value parsed as JSON when it can be), e.g. gpu_memory_utilization=0.2; repeatable."),
+    inference: list[str] = typer.Option([], "--inference", metavar="KEY=VALUE", help="Engine setting KEY=VALUE (value parsed as JSON when it can be), e.g. gpu_memory_utilization=0.2; repeatable."),
     teacher_name: str = typer.Option("default", help="Name (and routing key) of the teacher."),
     student_tokenizer: list[str] = typer.Option([], "--student-tokenizer", help="A student tokenizer KEY=DIR that "
                                                 "aligned requests may name (loaded at start); repeatable."),
@@ -106,6 +106,9 @@ def serve(
     ),
 ) -> None:
     """Serve a teacher over gRPC and HTTP until SIGTERM (then drain and exit 0)."""
+    from proctor.server.common.progress_bars import quiet_bars_in_logs
+
+    quiet_bars_in_logs()  # before a model loads here or in a replica worker (they inherit it)
     plan = None if config is None else _plan_or_exit(config)
     # Before anything is built or imported for the engines: their components' releases.
     _refuse_unsupported_versions([engine] if plan is None else [t.spec.name for t in plan.teachers.values()])
@@ -202,11 +205,16 @@ def _serve_until_stopped(router: Router, options: ServerOptions, *, switch_inter
     check_exposure(options.host, options.auth_token, allow_unauthenticated=open_ok)  # auth fails closed
     from proctor.server.alignment.students import StudentTokenizerError
     from proctor.server.engines.base import EngineError
+    from proctor.server.front.grpc_app import PortUnavailable
     from proctor.server.front.runtime import ProctorServer
 
     async def main() -> int:
         sys.setswitchinterval(switch_interval_ms / 1000)
-        server = ProctorServer(router, options)
+        try:
+            server = ProctorServer(router, options)
+        except PortUnavailable as exc:  # nothing started yet: the replicas start in serve_forever
+            print(f"proctor: cannot serve: {exc}", file=sys.stderr, flush=True)
+            return 1
         print(f"proctor: gRPC on {options.host}:{server.grpc_port}, HTTP on {options.host}:{server.http_port}", flush=True)
         try:
             return await server.serve_forever()
@@ -246,7 +254,7 @@ def score(
     typer.echo(format_table(token_ids, result, tok))
 
 
-@app.command("make-tiny-model")
+@app.command("make-tiny-model", short_help="Build a tiny teacher locally: random weights from a seed, a locally built tokenizer.")
 def make_tiny_model_cmd(
     out_dir: Path = typer.Argument(..., help="Directory to write the model into."),
     kind: str = typer.Option("text", help="text (a Qwen2 LM), vl (a Qwen2-VL) or omni-thinker (a Qwen2.5-Omni Thinker)."),
@@ -274,7 +282,9 @@ def make_tiny_model_cmd(
 def quickstart() -> None:
     """Start the tiny teacher, score a few sequences through gRPC and HTTP, print them."""
     from proctor.server.cli.quickstart import print_quickstart, tiny_teacher
+    from proctor.server.common.progress_bars import quiet_bars_in_logs
 
+    quiet_bars_in_logs()
     with tiny_teacher() as (server, model_dir):
         print_quickstart(server, model_dir)
 
@@ -288,7 +298,7 @@ def check_config(config: Path = typer.Argument(..., help="YAML config to check."
 
 
 # The commands that run the trainer side against a server (their module composes with the client).
-app.command()(trainer_side.verify)
+app.command(short_help="Check that a running server's replicas agree on the same sequences.")(trainer_side.verify)
 app.command()(trainer_side.demo)
 
 

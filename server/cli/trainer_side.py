@@ -67,7 +67,8 @@ def demo(
     loop (which knows only the client) the server's targets and the model for the tokenizer.
     """
     from proctor.server.cli.quickstart import print_quickstart, tiny_teacher
-    from proctor.trainer_adapter.demo import option_error, quiet_bars_in_logs, run_demo
+    from proctor.server.common.progress_bars import quiet_bars_in_logs
+    from proctor.trainer_adapter.demo import option_error, run_demo
 
     quiet_bars_in_logs()  # before the teacher's replica starts: it inherits the setting
     if cross_tokenizer:

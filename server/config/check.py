@@ -1,18 +1,16 @@
 """`proctor check-config`: the resolved plan, or every problem found, printed.
-"""
+
+Files the config names (model directories, token and TLS files) need not be on the checking
+machine: a plan that is whole but names files missing here is printed as such, with what
+`proctor serve` would refuse here, and exits 0."""
 
 from __future__ import annotations
 
 import sys
-import typing
 from pathlib import Path
 
 from proctor.server.config.plan import load_plan
 from proctor.server.config.schema import ConfigError
-
-if typing.TYPE_CHECKING:
-    pass
-
 
 
 def check_config_command(path: str | Path, *, out=None) -> int:
@@ -23,7 +21,13 @@ def check_config_command(path: str | Path, *, out=None) -> int:
     except ConfigError as exc:
         print_problems(path, exc, out=out)
         return 1
-    print(f"{path}: OK", file=out)
+    if plan.missing_here:  # a plan that works, with files that are elsewhere: say what serving here would do
+        print(f"{path}: OK as a plan; `proctor serve` on this machine would refuse it, {len(plan.missing_here)} "
+              "file(s) it names are not here:", file=out)
+        for missing in plan.missing_here:
+            print(f"  - {missing}", file=out)
+    else:
+        print(f"{path}: OK", file=out)
     print(plan.summary(), file=out)
     return 0
 

@@ -53,10 +53,18 @@ class ServingPlan:
     teachers: dict[str, ResolvedTeacher]
     placement: PlacementPlan
     notes: list[str] = field(default_factory=list)
+    # Files the config names that are not on this machine (check-config only: `proctor serve`
+    # refuses them as problems). The config is often checked elsewhere than where it serves.
+    missing_here: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
         server = self.config.server
-        mode = f"Ray actors (address {server.ray.address})" if server.ray.enabled else "in-process replicas"
+        if server.ray.enabled:
+            mode = f"Ray actors (address {server.ray.address})"
+        else:
+            mode = "a worker process each, on this machine"
+            if any(group.shared for group in self.placement.groups):
+                mode += " (teachers sharing a slot take turns in the front process)"
         lines = [
             f"device: {self.device_kind}; replicas: {mode}; routing: {server.routing_policy}",
             f"serving gRPC {server.host}:{server.grpc_port}, HTTP {server.host}:{server.http_port}"
@@ -220,11 +228,13 @@ def _teachers(config: ProctorConfig, device_kind: str, problems: list[str], note
 def resolve_plan(config: ProctorConfig, *, files_must_exist: bool = True) -> ServingPlan:
     """Teachers, engines and placement for a parsed config; ConfigError lists every problem.
 
-    `files_must_exist=False` (check-config, config linting) turns missing token/TLS files into
-    notes: the config is often checked on another machine than the one that serves it.
+    `files_must_exist=False` (check-config, config linting) lists missing model directories and
+    token/TLS files in `missing_here` instead: the config is often checked on another machine than
+    the one that serves it.
     """
     problems: list[str] = []
     notes: list[str] = []
+    missing: list[str] = []
     server = config.server
     device_kind = detect_device() if server.device == "auto" else server.device
     if server.device == "auto":
@@ -241,8 +251,10 @@ def resolve_plan(config: ProctorConfig, *, files_must_exist: bool = True) -> Ser
             try:
                 check_model_path(t.spec.model_path)
             except EngineConfigError as exc:
-                (problems if files_must_exist else notes).append(f"distillation.teacher_models.{t.name}.{exc}")
-    (problems if files_must_exist else notes).extend(_missing_files(server))
+                missing.append(f"distillation.teacher_models.{t.name}.{exc}")
+    missing.extend(_missing_files(server))
+    if files_must_exist:
+        problems.extend(missing)
     demands = [
         TeacherDemand(
             name=t.name,
@@ -266,7 +278,8 @@ def resolve_plan(config: ProctorConfig, *, files_must_exist: bool = True) -> Ser
         problems.extend(_serving_problems(placement, teachers, server))
     if problems:
         raise ConfigError(problems)
-    return ServingPlan(config=config, device_kind=device_kind, teachers=teachers, placement=placement, notes=notes)
+    return ServingPlan(config=config, device_kind=device_kind, teachers=teachers, placement=placement, notes=notes,
+                       missing_here=[] if files_must_exist else missing)
 
 
 def _missing_files(server: ServerBlock) -> list[str]:

@@ -169,6 +169,15 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         return self._deny_unary
 
 
+class PortUnavailable(OSError):
+    """A port the server was told to listen on cannot be bound (taken, or not an address of this
+    machine): one line for the operator, naming the setting to change, never a traceback."""
+
+    def __init__(self, address: str, transport: str, setting: str, why: str = "in use or not an address here") -> None:
+        super().__init__(f"{address} ({transport}) cannot be bound ({why}): choose another port "
+                         f"(--{setting.replace('_', '-')} / server.{setting}; 0: any free port) or host")
+
+
 class GrpcServer:
     """Owns the grpc.aio server, its health servicer and the port it bound."""
 
@@ -199,16 +208,19 @@ class GrpcServer:
             self.server,
         )
         address = f"{options.host}:{options.grpc_port}"
-        if tls is not None:
-            cert, key, client_ca = tls
-            credentials = grpc.ssl_server_credentials(
-                [(key, cert)], root_certificates=client_ca, require_client_auth=client_ca is not None
-            )
-            self.port = self.server.add_secure_port(address, credentials)
-        else:
-            self.port = self.server.add_insecure_port(address)
+        try:
+            if tls is not None:
+                cert, key, client_ca = tls
+                credentials = grpc.ssl_server_credentials(
+                    [(key, cert)], root_certificates=client_ca, require_client_auth=client_ca is not None
+                )
+                self.port = self.server.add_secure_port(address, credentials)
+            else:
+                self.port = self.server.add_insecure_port(address)
+        except RuntimeError:  # grpcio's "Failed to bind to address"
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"gRPC could not bind {address}")
+            raise PortUnavailable(address, "gRPC", "grpc_port")
 
     async def start(self) -> None:
         await self.server.start()

@@ -21,7 +21,7 @@ import uvicorn
 
 from proctor.server.front.auth import TokenAuth
 from proctor.server.front.fleet.routing import Router
-from proctor.server.front.grpc_app import GrpcServer
+from proctor.server.front.grpc_app import GrpcServer, PortUnavailable
 from proctor.server.front.http.app import create_app
 from proctor.server.front.http.limits import limited_protocol, serve_metrics
 from proctor.server.front.responses import Responses
@@ -43,7 +43,11 @@ def _listening_socket(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise PortUnavailable(f"{host}:{port}", "HTTP", "http_port", exc.strerror or str(exc)) from None
     return sock
 
 
