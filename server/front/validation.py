@@ -22,8 +22,15 @@ from proctor.proto.hidden_forms import row_bytes
 from proctor.server.common.errors import Code, ScoringError, invalid
 from proctor.server.engines.base import EngineInfo, EngineRequest, EngineResult, MediaItem, MultiModalInputs
 from proctor.server.engines.media import MediaLimits, decode_media
-from proctor.server.front.bounded_json import loads_bounded
+from proctor.server.engines.teacher_serves import (
+    Problem,
+    media_problem,
+    outputs_problem,
+    score_ids_problem,
+    sequence_problem,
+)
 from proctor.server.front.fleet.routing import ReplicaSet
+from proctor.server.front.media_fields import media_item, processor_kwargs
 
 # Scores are computed in float32 by every engine (`engines.row_scores`): a temperature must be a
 # normal float32 number, and the scores it gives must be finite (`check_finite`).
@@ -96,11 +103,7 @@ async def decode(valid: ValidRequest, limits: MediaLimits) -> ValidRequest:
 
 def _token_ids(request: scoring_pb2.ScoreRequest, info: EngineInfo, teacher: str) -> np.ndarray:
     count = len(request.token_ids)
-    if count > info.max_sequence_tokens:  # before any copy of a huge list
-        spare = "" if info.max_sequence_tokens == info.max_model_len else (
-            "; the engine keeps one of its max_model_len slots for the output token of the prefill")
-        raise invalid("token_ids", f"has {count} tokens, more than teacher {teacher!r} scores "
-                      f"({info.max_sequence_tokens}: max_model_len {info.max_model_len}{spare})")
+    _raise(sequence_problem(info, teacher, count))  # before any copy of a huge list
     if count == 0:
         raise invalid("token_ids", "is empty; send the prompt and response token ids")
     if count < 2:
@@ -113,6 +116,12 @@ def _token_ids(request: scoring_pb2.ScoreRequest, info: EngineInfo, teacher: str
         position = int(np.flatnonzero(ids == bad)[0])
         raise invalid("token_ids", f"token {bad} at position {position} is outside [0, {info.vocab_size})")
     return ids
+
+
+def _raise(problem: Problem) -> None:
+    """A `teacher_serves` rule's finding as this request's INVALID_ARGUMENT."""
+    if problem is not None:
+        raise invalid(*problem)
 
 
 def response_first_row(request: scoring_pb2.ScoreRequest, count: int) -> int:
@@ -128,18 +137,10 @@ def response_first_row(request: scoring_pb2.ScoreRequest, count: int) -> int:
 def _check_outputs(request: scoring_pb2.ScoreRequest, info: EngineInfo, teacher: str) -> None:
     if request.topk < 0:
         raise invalid("topk", f"is {request.topk}; it must be >= 0")
-    if request.topk > info.max_topk:
-        raise invalid("topk", f"is {request.topk}; teacher {teacher!r} serves at most {info.max_topk}")
-    if request.topk > info.vocab_size:
-        raise invalid("topk", f"is {request.topk}; the vocabulary has {info.vocab_size} tokens")
     if not (request.logprobs or request.topk or request.hidden_states or request.HasField("score_ids")):
         raise invalid("logprobs", "nothing asked for: set logprobs, topk > 0, hidden_states or score_ids")
-    if request.hidden_states and "hidden_states" not in info.outputs:
-        raise invalid("hidden_states", f"teacher {teacher!r} does not serve hidden states")
-    if request.hidden_form and (request.hidden_form not in info.hidden_forms or not request.hidden_states):
-        raise invalid("hidden_form", f"{request.hidden_form!r} is not a form teacher {teacher!r} gives "
-                      f"(it offers: {', '.join(info.hidden_forms) or 'none'}; the projected ones need "
-                      "inference.hidden_projection_rank), or hidden_states is not asked")
+    _raise(outputs_problem(info, teacher, topk=request.topk, hidden_states=request.hidden_states,
+                           hidden_form=request.hidden_form))
 
 
 def _score_ids(
@@ -150,8 +151,7 @@ def _score_ids(
     if not request.HasField("score_ids"):
         return None
     wire = request.score_ids
-    if "score_ids" not in info.outputs:
-        raise invalid("score_ids", f"teacher {teacher!r} ({info.engine} engine) does not serve score_ids")
+    _raise(score_ids_problem(info, teacher))
     if wire.dtype != scoring_pb2.INT32:
         name = scoring_pb2.DType.Name(wire.dtype) if wire.dtype in scoring_pb2.DType.values() else str(wire.dtype)
         raise invalid("score_ids", f"must be an INT32 tensor, got {name}")
@@ -228,34 +228,11 @@ def _media_inputs(request: scoring_pb2.ScoreRequest, info: EngineInfo, teacher: 
         images=_items(request.images, "images"),
         videos=_items(request.videos, "videos"),
         audios=_items(request.audios, "audios"),
-        processor_kwargs=_processor_kwargs(request.mm_processor_kwargs),
+        processor_kwargs=processor_kwargs(request.mm_processor_kwargs),
     )
-    for kind in media.kinds():
-        if kind not in info.media:
-            raise invalid(
-                kind,
-                f"teacher {teacher!r} ({info.engine} engine) is text-only and cannot use {kind}"
-                if not info.media
-                else f"teacher {teacher!r} accepts {', '.join(info.media)}, not {kind}",
-            )
+    _raise(media_problem(info, teacher, media.kinds()))
     return media
 
 
 def _items(items, field: str) -> tuple[MediaItem, ...]:
-    out = []
-    for index, item in enumerate(items):
-        if not item.data:
-            raise invalid(f"{field}[{index}].data", "is empty")
-        if not item.media_type:
-            raise invalid(f"{field}[{index}].media_type", "is required (e.g. image/png)")
-        out.append(MediaItem(bytes(item.data), item.media_type))
-    return tuple(out)
-
-
-def _processor_kwargs(text: str) -> dict:
-    if not text:
-        return {}
-    value = loads_bounded(text, field="mm_processor_kwargs")
-    if not isinstance(value, dict):
-        raise invalid("mm_processor_kwargs", "must be a JSON object")
-    return value
+    return tuple(media_item(field, index, item.data, item.media_type) for index, item in enumerate(items))

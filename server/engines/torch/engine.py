@@ -38,6 +38,7 @@ from proctor.server.engines.logit_transforms import LogitTransforms, logit_trans
 from proctor.server.engines.multimodal import check_counts
 from proctor.server.engines.prompt_reuse import ReuseSettings
 from proctor.server.engines.row_scores import score_rows
+from proctor.server.engines.teacher_serves import request_problem
 from proctor.server.engines.torch import invariant
 from proctor.server.engines.torch.loading import build
 from proctor.server.engines.torch.media import PreparedMedia, TorchMedia, is_multimodal, load_multimodal_model
@@ -203,14 +204,10 @@ class TorchEngine(TeacherEngine):
         return outcomes  # type: ignore[return-value]
 
     def _request_problem(self, request: EngineRequest) -> RequestRejected | None:
-        if request.media and self._media is None:
-            kinds = request.media.kinds()
-            return RequestRejected(
-                f"{kinds[0]}[0]", f"this teacher is text-only; this request carries {', '.join(kinds)}"
-            )
-        if not request.media and self._media is not None:  # a placeholder with its item lost
-            return check_counts(request, self._media.placeholders)
-        return None
+        problem = request_problem(self.describe(), request)  # the front's rule (`teacher_serves`)
+        if problem is None and not request.media and self._media is not None:  # a placeholder with its item lost
+            problem = check_counts(request, self._media.placeholders)
+        return problem
 
     def _prepare_media(self, batch: list[EngineRequest], outcomes: list[Outcome | None],
                        prepared: dict[str, PreparedMedia]) -> None:
