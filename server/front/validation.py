@@ -1,9 +1,10 @@
 """A `ScoreRequest` off the wire → one validated request, checked once for both transports.
 
-`validate` checks every field against what the teacher the request was routed to serves (its real limits: vLLM keeps one `max_model_len` slot for the prefill's
-output token), checks that a unary answer fits one message, and builds the `EngineRequest`
-with the token ids in the one array form every engine takes (an int64 tensor over a numpy
-buffer). Media are decoded afterwards, off the event loop (`decode`), still before admission.
+`validate` checks every field against what the teacher the request was routed to serves (its
+real limits: vLLM keeps one `max_model_len` slot for the prefill's output token), checks that a
+unary answer fits one message, and builds the `EngineRequest` with the ids in the one array form
+every engine takes (numpy int32: `engines.base`). Media are decoded afterwards, off the event
+loop (`decode`), still before admission.
 Each check raises `invalid(field, ...)`: INVALID_ARGUMENT naming the field.
 """
 
@@ -29,6 +30,7 @@ from proctor.server.engines.teacher_serves import (
     score_ids_problem,
     sequence_problem,
 )
+from proctor.server.engines.token_ids import token_array
 from proctor.server.front.fleet.routing import ReplicaSet
 from proctor.server.front.media_fields import media_item, processor_kwargs
 
@@ -73,7 +75,7 @@ def validate(teacher_set: ReplicaSet, request: scoring_pb2.ScoreRequest, *, max_
     media = _media_inputs(request, info, teacher_set.name)
     engine_request = EngineRequest(
         request_id=request.request_id or uuid.uuid4().hex,
-        token_ids=torch.from_numpy(ids),
+        token_ids=ids,
         first_row=first_row,
         logprobs=request.logprobs,
         topk=request.topk,
@@ -109,7 +111,7 @@ def _token_ids(request: scoring_pb2.ScoreRequest, info: EngineInfo, teacher: str
     if count < 2:
         raise invalid("token_ids", "needs at least 2 tokens (row 0 has no prefix to score)")
     # numpy, not torch: torch calls on the event loop can stall behind an engine's thread.
-    ids = np.asarray(request.token_ids, dtype=np.int64)
+    ids = token_array(request.token_ids)  # the one form, carried as it is to the engine
     low, high = int(ids.min()), int(ids.max())
     if low < 0 or high >= info.vocab_size:
         bad = low if low < 0 else high
@@ -145,9 +147,10 @@ def _check_outputs(request: scoring_pb2.ScoreRequest, info: EngineInfo, teacher:
 
 def _score_ids(
     request: scoring_pb2.ScoreRequest, info: EngineInfo, teacher: str, first_row: int, count: int
-) -> torch.Tensor | None:
-    """The request's score_ids as int64 [R, K] (-1 padding), every row, id and size checked here:
-    an engine never sees an id it could index out of range."""
+) -> np.ndarray | None:
+    """The request's score_ids as int32 [R, K] (-1 padding), a view of the message's bytes (the one
+    form, uncopied), every row, id and size checked here: an engine never sees an id it could index
+    out of range."""
     if not request.HasField("score_ids"):
         return None
     wire = request.score_ids
@@ -175,7 +178,7 @@ def _score_ids(
         row, col = (int(x) for x in np.argwhere(ids == bad)[0])
         raise invalid("score_ids", f"id {bad} at row {first_row + row}, column {col} is outside "
                       f"[0, {info.vocab_size}) (-1 pads a row)")
-    return torch.from_numpy(ids.astype(np.int64))
+    return ids
 
 
 def _replica(request: scoring_pb2.ScoreRequest, teacher_set: ReplicaSet) -> str | None:
