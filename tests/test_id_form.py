@@ -9,9 +9,6 @@ it answers the float64 reference exactly, so the form is what the engine scores 
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import grpc
 import httpx
 import numpy as np
@@ -20,16 +17,12 @@ import torch
 
 from proctor.proto import decode_tensor, encode_tensor, scoring_pb2, scoring_pb2_grpc
 from proctor.server.engines.base import EngineSpec
-from proctor.server.front.fleet.routing import ReplicaSet, Router, engine_replica
-from proctor.server.front.runtime import ServerThread
-from proctor.server.front.settings import ServerOptions
 from proctor.server.front.validation import validate
-from proctor.server.worker.client import WorkerClient
 
 from support.form_probe import PROBE, build_form_reporting
 from support.reference import reference_rows
+from support.servers import start_worker_server
 
-TESTS = Path(__file__).resolve().parent
 IDS = [3, 17, 250, 9, 41, 77, 5, 300]
 FIRST_ROW = 3
 SCORE_IDS = np.array([[1, 2, -1], [7, 8, 9], [4, -1, -1], [0, 5, 6], [11, 12, 13]], dtype=np.int32)
@@ -39,11 +32,8 @@ ONE_FORM = "numpy.ndarray int32 shape={} contiguous=True owndata=False"
 @pytest.fixture(scope="module")
 def worker_server(tiny_model_dir):
     """One replica whose worker process runs the torch engine that reports the form of its ids."""
-    spec = EngineSpec(name="torch", model_path=str(tiny_model_dir), max_topk=16)
-    path = [str(TESTS), *[p for p in sys.path if p]]
-    replica = engine_replica("form-0", lambda: WorkerClient(
-        spec, name="form-0", build=build_form_reporting, env={"PYTHONPATH": ":".join(path)}))
-    server = ServerThread(Router([ReplicaSet("form", [replica])]), ServerOptions(grpc_port=0, http_port=0)).start()
+    server = start_worker_server(EngineSpec(name="torch", model_path=str(tiny_model_dir), max_topk=16), "form",
+                                 build_form_reporting)
     yield server
     server.stop()
 
