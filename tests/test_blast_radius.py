@@ -14,8 +14,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-import sys
-from pathlib import Path
 
 import httpx
 import numpy as np
@@ -26,10 +24,9 @@ from proctor.client import TeacherClient
 from proctor.client.transports import TeacherError
 from proctor.server.config import single_teacher_router
 from proctor.server.engines.base import EngineRequest, EngineSpec
-from proctor.server.front.fleet.routing import ReplicaSet, ReplicaState, Router, engine_replica
+from proctor.server.front.fleet.routing import ReplicaState
 from proctor.server.front.runtime import ServerThread
 from proctor.server.front.settings import ServerOptions
-from proctor.server.worker.client import WorkerClient
 
 from support.multimodal import (
     Sample,
@@ -42,11 +39,11 @@ from support.multimodal import (
 )
 from support.reference import reference_rows
 from support.scoring import sequences
+from support.servers import start_worker_server
 
 TOPK = 4
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 POISON_KWARGS = {"patch_size": 7}
-TESTS = Path(__file__).resolve().parent
 
 
 @pytest.fixture(scope="module")
@@ -228,11 +225,7 @@ def oom_server(tiny_model_dir):
     from support.faulty_engines import build_out_of_memory_above_four
 
     spec = EngineSpec(name="torch", model_path=str(tiny_model_dir), max_topk=16)
-    path = [str(TESTS), *[p for p in sys.path if p]]
-    replica = engine_replica("oom-0", lambda: WorkerClient(
-        spec, name="oom-0", build=build_out_of_memory_above_four, env={"PYTHONPATH": ":".join(path)}))
-    router = Router([ReplicaSet("oom", [replica])])
-    server = ServerThread(router, ServerOptions(grpc_port=0, http_port=0)).start()
+    server = start_worker_server(spec, "oom", build_out_of_memory_above_four)
     yield server
     server.stop()
 

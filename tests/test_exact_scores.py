@@ -10,6 +10,7 @@ chunked prefill on and a 128-token step, so a sequence's rows arrive in several 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -63,7 +64,7 @@ def assert_exact(result, request: EngineRequest, model_dir) -> None:
     ids, values = ref.topk(request.topk)
     assert torch.equal(result.topk_ids.to(torch.int64), ids), request.request_id
     torch.testing.assert_close(result.topk_logprobs.double(), values, rtol=0, atol=TOL)
-    wanted = request.score_ids
+    wanted = torch.from_numpy(request.score_ids.astype(np.int64))
     expected = ref.distributions.gather(1, wanted.clamp_min(0)).masked_fill(wanted < 0, float("-inf"))
     torch.testing.assert_close(result.score_logprobs.double(), expected, rtol=0, atol=TOL)
     # Hidden states to 1e-5 of their own scale (post-norm activations of a few units; float32 holds

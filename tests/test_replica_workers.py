@@ -13,6 +13,7 @@ import os
 import signal
 
 import httpx
+import numpy as np
 import pytest
 import torch
 
@@ -214,14 +215,19 @@ def test_streamed_chunks_reassemble_the_hidden_rows_in_order():
     torch.testing.assert_close(torch.cat([decode_tensor(p) for p in pieces]), result.hidden_states, rtol=0, atol=0)
 
 
-def test_tensors_cross_the_worker_socket_as_raw_bytes():
-    request = EngineRequest("a", torch.arange(100, dtype=torch.int64), first_row=1, logprobs=True, topk=0,
-                            hidden_states=False, score_ids=torch.full((99, 3), -1, dtype=torch.int64))
+def test_a_requests_ids_cross_the_worker_socket_as_int32_arrays_out_of_band():
+    """The ids' one form (`engines.base`) travels as it is: numpy int32, its bytes beside the
+    pickle, received as a view of the frame, not a copy (engines read ids, never write them);
+    other tensors as raw bytes."""
+    ids, score_ids = np.arange(100, dtype=np.int32), np.full((99, 3), -1, dtype=np.int32)
+    request = EngineRequest("a", ids, first_row=1, logprobs=True, topk=0, hidden_states=False, score_ids=score_ids)
+    assert request.token_ids is ids and request.score_ids is score_ids  # the one form is kept, not copied
     payload = dumps(("score", 1, [request]))
+    assert ids.tobytes() in payload and score_ids.tobytes() in payload  # raw int32, not a torch.save zip
     back = loads(payload)[2][0]
-    assert torch.equal(back.token_ids, request.token_ids) and back.token_ids.dtype == torch.int64
-    assert torch.equal(back.score_ids, request.score_ids)
-    back.token_ids[0] = 7  # writable, as sent
+    for sent, got in ((ids, back.token_ids), (score_ids, back.score_ids)):
+        assert type(got) is np.ndarray and got.dtype == np.int32 and np.array_equal(got, sent)
+        assert not got.flags.owndata and got.flags.c_contiguous  # a view of the frame
     odd = torch.randn(4, 6).to(torch.bfloat16)[:, ::2]  # bf16, not contiguous
     assert torch.equal(loads(dumps(odd)), odd)
     assert len(dumps(torch.zeros(10_000, dtype=torch.int64))) < 10_000 * 8 + 200  # raw bytes, no torch.save zip

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_vllm_omni_engine import _fake_omni_output, _omni_spec, _request
+from test_vllm_omni_engine import _fake_omni_output, _faked_start, _omni_spec, _request
 
 from proctor.server.engines.base import EngineError, EngineRequest
 from proctor.server.engines.row_scores import score_rows
@@ -113,7 +113,8 @@ async def test_omni_scores_ids_from_its_ar_stage_hidden_states():
             yield _fake_omni_output(prompt["prompt_token_ids"], [states])
 
     engine = VllmOmniEngine(_omni_spec())
-    engine._omni, engine._started, engine._dtype, engine._unembedding = RecordingOmni(), True, torch.float32, weight
+    _faked_start(engine, RecordingOmni(), torch.float32)
+    engine._unembedding = weight
     engine.score_ids_method = FROM_HIDDEN
     score_ids = torch.tensor([[7, 1], [2, -1], [100, 3]])
     request = _request("o", ids)

@@ -123,7 +123,7 @@ async def test_score_ids_that_differ_inside_the_prefix_stop_the_copy_there(engin
     (group,) = make_groups([40], 2, response=(5, 8), seed=17)
     leader = request_of(group[0], score_ids=True, whole=True)
     follower = request_of(group[1], score_ids=True, whole=True)
-    changed = follower.score_ids.clone()
+    changed = follower.score_ids.copy()
     changed[20, 0] = (changed[20, 0] + 1) % 500  # row 21's ids differ from the leader's
     follower = replace(follower, score_ids=changed)
     outcomes = await engine.score([leader])
@@ -178,12 +178,12 @@ async def test_a_weight_swap_forgets_cached_prompts(tiny_model_dir, other_model_
 def test_the_store_is_lru_bounded_by_bytes_and_expires():
     now = [0.0]
     store: PrefixStore[str] = PrefixStore(memory_bytes=1500, ttl_s=10.0, block_tokens=4, clock=lambda: now[0])
-    seqs = {k: torch.arange(i * 100, i * 100 + 12) for i, k in enumerate("abc")}  # 96 B + 3 hashes each
+    seqs = {k: torch.arange(i * 100, i * 100 + 12) for i, k in enumerate("abc")}  # 48 B (int32) + 3 hashes each
     a, b = store.put(seqs["a"], "A", 400), store.put(seqs["b"], "B", 400)
     assert a and b and store.find(seqs["a"]).value == "A"  # a is now the most recent
-    assert store.put(seqs["c"], "C", 400)  # 3 * 616 > 1500: b (least recent) goes
+    assert store.put(seqs["c"], "C", 400)  # 3 * 568 > 1500: b (least recent) goes
     assert store.find(seqs["b"]) is None and store.find(seqs["a"]).value == "A"
-    assert store.nbytes == 2 * 616 and store.stats.evictions == 1
+    assert store.nbytes == 2 * 568 and store.stats.evictions == 1
     assert store.put(seqs["a"], "D", 4000) is None and store.stats.refused == 1
     now[0] = 9.0
     assert store.find(seqs["c"]).value == "C"

@@ -25,6 +25,7 @@ import torch
 from proctor.server.engines.base import (
     EngineConfigError,
     EngineError,
+    EngineInfo,
     EngineRequest,
     EngineSpec,
     MediaItem,
@@ -62,6 +63,15 @@ def _omni_spec(path="/m", startup_timeout_s=60.0, **inference):
     inference.setdefault("engine_kwargs", {"vllm_omni": dict(OMNI_KWARGS)})
     return EngineSpec(name="vllm_omni", model_path=str(path), device="cuda", dtype="bfloat16", max_topk=16,
                       inference=inference, devices=("4", "5"), startup_timeout_s=startup_timeout_s)
+
+
+def _faked_start(engine: VllmOmniEngine, omni, dtype: torch.dtype) -> None:
+    """The engine as `start` leaves it, over a fake AsyncOmni: running, and described (its requests
+    are checked against that description, `teacher_serves`)."""
+    engine._omni, engine._started, engine._dtype = omni, True, dtype
+    engine._info = EngineInfo(engine="vllm_omni", model="m", fingerprint="", vocab_size=1000, hidden_size=4,
+                              max_model_len=64, max_topk=engine.max_logprobs, dtype=str(dtype).removeprefix("torch."),
+                              outputs=("logprobs", "topk", "hidden_states", "score_ids"))
 
 
 def _request(rid="r", ids=(3, 9, 4, 5, 6), *, first_row=2, topk=2, hidden=False, media=None):
@@ -320,7 +330,7 @@ async def test_omni_engine_scores_through_a_fake_async_omni():
             yield _fake_omni_output(prompt["prompt_token_ids"], [states[:2], states[2:]])
 
     engine = VllmOmniEngine(_omni_spec())
-    engine._omni, engine._started, engine._dtype = RecordingOmni(), True, torch.bfloat16
+    _faked_start(engine, RecordingOmni(), torch.bfloat16)
     (res,) = await engine.score([_request("o", ids, hidden=True)])
     assert res.logprobs.tolist() == [-2.0, -3.0, -4.0]
     assert res.topk_ids.tolist() == [[7, 8]] * 3

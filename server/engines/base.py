@@ -19,7 +19,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+import numpy as np
 import torch
+
+from proctor.server.engines.token_ids import token_array
 
 # Tokens an engine takes in one batch unless its settings say otherwise (vLLM's GPU default).
 DEFAULT_TOKEN_BUDGET = 8192
@@ -67,27 +70,44 @@ _KEY_PREFIX = uuid.uuid4().hex[:16]
 _KEYS = itertools.count()
 
 
+# Ids, in one form from the wire to the engine: `token_ids` and `score_ids` are C-contiguous numpy
+# int32 arrays (`engines.token_ids`). int32, because the wire's ids are int32 (ScoreRequest.token_ids,
+# score_ids' INT32 tensor), every vocabulary fits, and nothing before an engine's own library needs
+# wider. numpy, because validation reads them with numpy off any torch thread, a worker's socket
+# carries a numpy array out of band (pickle 5: no copy to send it, a view of the frame received),
+# and prompt reuse hashes its bytes as they are. Made once (validation: a copy of the repeated
+# field; score_ids a view of the message's bytes, read-only) and never converted on the way; each
+# engine converts at its library's boundary only: torch indexes with int64 (`index_tensor`, or a
+# padded int64 batch), vLLM takes a list.
+# A request carries three ids, each for its own reader: `request_id` is the caller's (echoed in
+# the answer, in logs; it may repeat), `key` is unique per validated request in this server (what
+# `abort`, the batcher and a replica's strikes name), and vLLM's own request id is made per attempt
+# (`vllm.args.engine_request_id`), since a retry of one request may reach the same engine.
 @dataclass(frozen=True)
 class EngineRequest:
     """One validated sequence to score."""
 
     request_id: str
-    token_ids: torch.Tensor  # int64 [T]
+    token_ids: np.ndarray  # int32 [T]
     first_row: int  # 1 <= first_row < T
     logprobs: bool
     topk: int
     hidden_states: bool
     media: MultiModalInputs | None = None
-    # Token ids to score per row (rows first_row..T-1), int64 [R, K], -1 for padding: the
+    # Token ids to score per row (rows first_row..T-1), int32 [R, K], -1 for padding: the
     # student's top-k, say, which the teacher's own top-k misses.
-    score_ids: torch.Tensor | None = None
-    # Unique per validated request (the caller's request_id may repeat): what `TeacherEngine.abort` names.
+    score_ids: np.ndarray | None = None
     key: str = field(default_factory=lambda: f"{_KEY_PREFIX}-{next(_KEYS)}")
     # Divides the logits before the log-softmax (log-probs and top-k; hidden states unchanged).
     temperature: float = 1.0
     cache_salt: str = ""  # scopes prompt reuse (`ScoreRequest.cache_salt`): salts never share prefixes
     hidden_form: str = ""  # the hidden states' wire form (`engines.hidden_forms`); "": the engine's dtype
     ranks: bool = False  # the actual tokens' ranks too: only /v1/completions answers them (a pass over V)
+
+    def __post_init__(self) -> None:  # ids in the one form: a no-op (same arrays) for validated ones
+        object.__setattr__(self, "token_ids", token_array(self.token_ids))
+        if self.score_ids is not None:
+            object.__setattr__(self, "score_ids", token_array(self.score_ids))
 
     @property
     def num_tokens(self) -> int:
@@ -223,29 +243,6 @@ class BatchFailed(Exception):
         super().__init__(cause)
         self.cause = cause
         self.out_of_memory = out_of_memory
-
-
-# Exception types (by name: torch's, its device plugins') that say "the device ran out of memory".
-_OUT_OF_MEMORY_TYPES = ("OutOfMemoryError",)
-_OUT_OF_MEMORY_TEXT = ("out of memory", "NPU out of memory")
-
-
-def is_out_of_memory(exc: BaseException) -> bool:
-    """Whether `exc` is a device (or host) out-of-memory: torch's `OutOfMemoryError` (CUDA),
-    `MemoryError`, or a RuntimeError whose text says so (Ascend's torch_npu raises those)."""
-    if isinstance(exc, BatchFailed | RequestFailed):
-        return exc.out_of_memory
-    if isinstance(exc, MemoryError) or any(cls.__name__ in _OUT_OF_MEMORY_TYPES for cls in type(exc).__mro__):
-        return True
-    return isinstance(exc, RuntimeError) and any(text in str(exc) for text in _OUT_OF_MEMORY_TEXT)
-
-
-def describe_fault(exc: BaseException) -> str:
-    """One line naming an exception and its cause, for a request's INTERNAL message."""
-    if isinstance(exc, BatchFailed | RequestFailed):
-        return exc.cause
-    detail = f"{type(exc).__name__}: {exc}"
-    return detail + (f" (caused by {type(exc.__cause__).__name__}: {exc.__cause__})" if exc.__cause__ else "")
 
 
 # What an engine answers for one request of a batch: its result, a request error, an abort,

@@ -94,7 +94,7 @@ def check_counts(request: EngineRequest, placeholders: Placeholders) -> RequestR
     """The cheap half of the rule, before any processing: media of kinds the model serves,
     one placeholder run per item of each kind, and no placeholder of a kind the request carries
     none of (a text request to a multimodal teacher included)."""
-    ids = request.token_ids.numpy()
+    ids = request.token_ids
     for kind, count in _item_counts(request).items():
         if count and kind not in placeholders.token_ids:
             served = ", ".join(placeholders.kinds) or "no media"
@@ -134,7 +134,7 @@ def _check_audio_rates(request: EngineRequest, placeholders: Placeholders) -> Re
 
 def check_runs(request: EngineRequest, placeholders: Placeholders, expected: dict[str, list[int]]) -> RequestRejected | None:
     """Each placeholder run's length against what the processor makes for its item."""
-    ids = request.token_ids.numpy()
+    ids = request.token_ids
     for kind, lengths in expected.items():
         found = runs(ids, placeholders.token_ids[kind])
         for index, ((start, length), want) in enumerate(zip(found, lengths, strict=False)):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from proctor.server.engines.base import EngineRequest, EngineResult
@@ -30,7 +31,7 @@ class RowRecord:
     logprobs: bool
     topk: int
     hidden: bool
-    score_ids: torch.Tensor | None  # int64 [rows, K], -1 padding
+    score_ids: np.ndarray | None  # int32 [rows, K], -1 padding
     result: EngineResult | None = None
     hidden_form: str = ""  # the form its hidden rows are in: only a request asking the same copies them
     ranks: bool = False
@@ -38,16 +39,17 @@ class RowRecord:
     @classmethod
     def asked_by(cls, request: EngineRequest) -> RowRecord:
         return cls(request.first_row, request.num_tokens, request.temperature, request.logprobs, request.topk,
-                   request.hidden_states, request.score_ids, hidden_form=request.hidden_form,
-                   ranks=request.ranks)
+                   request.hidden_states, None if request.score_ids is None else request.score_ids.copy(),
+                   hidden_form=request.hidden_form, ranks=request.ranks)  # a copy: a record outlives its request's frame
 
     @property
     def nbytes(self) -> int:
         if self.result is None:
             return 0
         tensors = (self.result.logprobs, self.result.ranks, self.result.topk_ids, self.result.topk_logprobs,
-                   self.result.score_logprobs, self.result.hidden_states, self.score_ids)
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+                   self.result.score_logprobs, self.result.hidden_states)
+        held = 0 if self.score_ids is None else self.score_ids.nbytes
+        return held + sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def copyable_end(self, request: EngineRequest, shared: int) -> int:
         """The last row r such that rows `request.first_row..r` can be copied from this record for
@@ -69,9 +71,9 @@ class RowRecord:
             if self.score_ids is None or width > self.score_ids.shape[1]:
                 return none
             kept = self.score_ids[first - self.first_row : end - self.first_row + 1, :width]
-            differ = torch.nonzero((kept != request.score_ids[: end - first + 1]).any(dim=1))
-            if differ.numel():
-                end = first + int(differ[0, 0]) - 1
+            differ = np.flatnonzero((kept != request.score_ids[: end - first + 1]).any(axis=1))
+            if differ.size:
+                end = first + int(differ[0]) - 1
         return end
 
     def rows(self, request: EngineRequest, end: int) -> EngineResult:

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from proctor.server.engines.base import EngineRequest
+from proctor.server.engines.token_ids import TOKEN_DTYPE, token_array
 
 # Setting names in a teacher's `inference` block (and `proctor serve --inference KEY=VALUE`).
 ENABLED = "prompt_reuse"
@@ -97,18 +98,11 @@ def _number(inference: Mapping[str, Any], name: str, default: float, kind: type,
     return number
 
 
-def token_array(token_ids: torch.Tensor | np.ndarray) -> np.ndarray:
-    """Token ids as the contiguous int64 array hashing and comparison read (no copy when they are)."""
-    if isinstance(token_ids, torch.Tensor):
-        token_ids = token_ids.numpy()
-    return np.ascontiguousarray(token_ids, dtype=np.int64)
-
-
 def block_hashes(token_ids: torch.Tensor | np.ndarray, block: int, salt: str = "") -> list[bytes]:
     """The chained 128-bit hashes of the full blocks of `block` tokens: hash k covers the salt and
     tokens 0..(k+1)*block-1 (the previous hash and block k), so equal hashes mean equal prefixes."""
     data = token_array(token_ids).tobytes()
-    step = block * 8
+    step = block * TOKEN_DTYPE.itemsize
     hashes: list[bytes] = []
     previous = hashlib.blake2b(salt.encode("utf-8", "surrogatepass"), digest_size=16).digest() if salt else b""
     for start in range(0, len(data) - step + 1, step):

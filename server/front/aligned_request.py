@@ -31,7 +31,7 @@ from proctor.server.alignment.chunks import Chunks, chunk
 from proctor.server.alignment.students import Pair
 from proctor.server.common.errors import invalid
 from proctor.server.engines.base import EngineInfo, EngineResult
-from proctor.server.front.http.models import extend_ids
+from proctor.server.front.ids import extend_ids
 from proctor.server.front.validation import response_first_row
 
 # What an aligned request cannot ask for: its answer is in the student's rows, and these are not.
@@ -193,5 +193,5 @@ def plan_aligned(request: scoring_pb2.ScoreRequest, pair: Pair, info: EngineInfo
                                        cache_salt=request.cache_salt)
     if request.HasField("temperature"):
         message.temperature = request.temperature
-    extend_ids(message, sequence.tolist())
+    extend_ids(message.token_ids, sequence.tolist())
     return AlignedPlan(message, pair, chunks, first_row, len(ids), sequence, len(prompt))

@@ -1,9 +1,10 @@
 """A `ScoreRequest` off the wire → one validated request, checked once for both transports.
 
-`validate` checks every field against what the teacher the request was routed to serves (its real limits: vLLM keeps one `max_model_len` slot for the prefill's
-output token), checks that a unary answer fits one message, and builds the `EngineRequest`
-with the token ids in the one array form every engine takes (an int64 tensor over a numpy
-buffer). Media are decoded afterwards, off the event loop (`decode`), still before admission.
+`validate` checks every field against what the teacher the request was routed to serves (its
+real limits: vLLM keeps one `max_model_len` slot for the prefill's output token), checks that a
+unary answer fits one message, and builds the `EngineRequest` with the ids in the one array form
+every engine takes (numpy int32: `engines.base`). Media are decoded afterwards, off the event
+loop (`decode`), still before admission.
 Each check raises `invalid(field, ...)`: INVALID_ARGUMENT naming the field.
 """
 
@@ -22,8 +23,16 @@ from proctor.proto.hidden_forms import row_bytes
 from proctor.server.common.errors import Code, ScoringError, invalid
 from proctor.server.engines.base import EngineInfo, EngineRequest, EngineResult, MediaItem, MultiModalInputs
 from proctor.server.engines.media import MediaLimits, decode_media
-from proctor.server.front.bounded_json import loads_bounded
+from proctor.server.engines.teacher_serves import (
+    Problem,
+    media_problem,
+    outputs_problem,
+    score_ids_problem,
+    sequence_problem,
+)
+from proctor.server.engines.token_ids import token_array
 from proctor.server.front.fleet.routing import ReplicaSet
+from proctor.server.front.media_fields import media_item, processor_kwargs
 
 # Scores are computed in float32 by every engine (`engines.row_scores`): a temperature must be a
 # normal float32 number, and the scores it gives must be finite (`check_finite`).
@@ -66,7 +75,7 @@ def validate(teacher_set: ReplicaSet, request: scoring_pb2.ScoreRequest, *, max_
     media = _media_inputs(request, info, teacher_set.name)
     engine_request = EngineRequest(
         request_id=request.request_id or uuid.uuid4().hex,
-        token_ids=torch.from_numpy(ids),
+        token_ids=ids,
         first_row=first_row,
         logprobs=request.logprobs,
         topk=request.topk,
@@ -96,23 +105,25 @@ async def decode(valid: ValidRequest, limits: MediaLimits) -> ValidRequest:
 
 def _token_ids(request: scoring_pb2.ScoreRequest, info: EngineInfo, teacher: str) -> np.ndarray:
     count = len(request.token_ids)
-    if count > info.max_sequence_tokens:  # before any copy of a huge list
-        spare = "" if info.max_sequence_tokens == info.max_model_len else (
-            "; the engine keeps one of its max_model_len slots for the output token of the prefill")
-        raise invalid("token_ids", f"has {count} tokens, more than teacher {teacher!r} scores "
-                      f"({info.max_sequence_tokens}: max_model_len {info.max_model_len}{spare})")
+    _raise(sequence_problem(info, teacher, count))  # before any copy of a huge list
     if count == 0:
         raise invalid("token_ids", "is empty; send the prompt and response token ids")
     if count < 2:
         raise invalid("token_ids", "needs at least 2 tokens (row 0 has no prefix to score)")
     # numpy, not torch: torch calls on the event loop can stall behind an engine's thread.
-    ids = np.asarray(request.token_ids, dtype=np.int64)
+    ids = token_array(request.token_ids)  # the one form, carried as it is to the engine
     low, high = int(ids.min()), int(ids.max())
     if low < 0 or high >= info.vocab_size:
         bad = low if low < 0 else high
         position = int(np.flatnonzero(ids == bad)[0])
         raise invalid("token_ids", f"token {bad} at position {position} is outside [0, {info.vocab_size})")
     return ids
+
+
+def _raise(problem: Problem) -> None:
+    """A `teacher_serves` rule's finding as this request's INVALID_ARGUMENT."""
+    if problem is not None:
+        raise invalid(*problem)
 
 
 def response_first_row(request: scoring_pb2.ScoreRequest, count: int) -> int:
@@ -128,30 +139,22 @@ def response_first_row(request: scoring_pb2.ScoreRequest, count: int) -> int:
 def _check_outputs(request: scoring_pb2.ScoreRequest, info: EngineInfo, teacher: str) -> None:
     if request.topk < 0:
         raise invalid("topk", f"is {request.topk}; it must be >= 0")
-    if request.topk > info.max_topk:
-        raise invalid("topk", f"is {request.topk}; teacher {teacher!r} serves at most {info.max_topk}")
-    if request.topk > info.vocab_size:
-        raise invalid("topk", f"is {request.topk}; the vocabulary has {info.vocab_size} tokens")
     if not (request.logprobs or request.topk or request.hidden_states or request.HasField("score_ids")):
         raise invalid("logprobs", "nothing asked for: set logprobs, topk > 0, hidden_states or score_ids")
-    if request.hidden_states and "hidden_states" not in info.outputs:
-        raise invalid("hidden_states", f"teacher {teacher!r} does not serve hidden states")
-    if request.hidden_form and (request.hidden_form not in info.hidden_forms or not request.hidden_states):
-        raise invalid("hidden_form", f"{request.hidden_form!r} is not a form teacher {teacher!r} gives "
-                      f"(it offers: {', '.join(info.hidden_forms) or 'none'}; the projected ones need "
-                      "inference.hidden_projection_rank), or hidden_states is not asked")
+    _raise(outputs_problem(info, teacher, topk=request.topk, hidden_states=request.hidden_states,
+                           hidden_form=request.hidden_form))
 
 
 def _score_ids(
     request: scoring_pb2.ScoreRequest, info: EngineInfo, teacher: str, first_row: int, count: int
-) -> torch.Tensor | None:
-    """The request's score_ids as int64 [R, K] (-1 padding), every row, id and size checked here:
-    an engine never sees an id it could index out of range."""
+) -> np.ndarray | None:
+    """The request's score_ids as int32 [R, K] (-1 padding), a view of the message's bytes (the one
+    form, uncopied), every row, id and size checked here: an engine never sees an id it could index
+    out of range."""
     if not request.HasField("score_ids"):
         return None
     wire = request.score_ids
-    if "score_ids" not in info.outputs:
-        raise invalid("score_ids", f"teacher {teacher!r} ({info.engine} engine) does not serve score_ids")
+    _raise(score_ids_problem(info, teacher))
     if wire.dtype != scoring_pb2.INT32:
         name = scoring_pb2.DType.Name(wire.dtype) if wire.dtype in scoring_pb2.DType.values() else str(wire.dtype)
         raise invalid("score_ids", f"must be an INT32 tensor, got {name}")
@@ -175,7 +178,7 @@ def _score_ids(
         row, col = (int(x) for x in np.argwhere(ids == bad)[0])
         raise invalid("score_ids", f"id {bad} at row {first_row + row}, column {col} is outside "
                       f"[0, {info.vocab_size}) (-1 pads a row)")
-    return torch.from_numpy(ids.astype(np.int64))
+    return ids
 
 
 def _replica(request: scoring_pb2.ScoreRequest, teacher_set: ReplicaSet) -> str | None:
@@ -228,34 +231,11 @@ def _media_inputs(request: scoring_pb2.ScoreRequest, info: EngineInfo, teacher: 
         images=_items(request.images, "images"),
         videos=_items(request.videos, "videos"),
         audios=_items(request.audios, "audios"),
-        processor_kwargs=_processor_kwargs(request.mm_processor_kwargs),
+        processor_kwargs=processor_kwargs(request.mm_processor_kwargs),
     )
-    for kind in media.kinds():
-        if kind not in info.media:
-            raise invalid(
-                kind,
-                f"teacher {teacher!r} ({info.engine} engine) is text-only and cannot use {kind}"
-                if not info.media
-                else f"teacher {teacher!r} accepts {', '.join(info.media)}, not {kind}",
-            )
+    _raise(media_problem(info, teacher, media.kinds()))
     return media
 
 
 def _items(items, field: str) -> tuple[MediaItem, ...]:
-    out = []
-    for index, item in enumerate(items):
-        if not item.data:
-            raise invalid(f"{field}[{index}].data", "is empty")
-        if not item.media_type:
-            raise invalid(f"{field}[{index}].media_type", "is required (e.g. image/png)")
-        out.append(MediaItem(bytes(item.data), item.media_type))
-    return tuple(out)
-
-
-def _processor_kwargs(text: str) -> dict:
-    if not text:
-        return {}
-    value = loads_bounded(text, field="mm_processor_kwargs")
-    if not isinstance(value, dict):
-        raise invalid("mm_processor_kwargs", "must be a JSON object")
-    return value
+    return tuple(media_item(field, index, item.data, item.media_type) for index, item in enumerate(items))

@@ -22,7 +22,8 @@ import socket
 import sys
 from typing import Any
 
-from proctor.server.engines.base import EngineError, describe_fault, is_out_of_memory
+from proctor.server.engines.base import EngineError
+from proctor.server.engines.faults import describe_fault, is_out_of_memory
 from proctor.server.worker import messages
 from proctor.server.worker.protocol import Channel
 from proctor.server.worker.wire import encode_outcomes

@@ -10,9 +10,10 @@ other (the worker is the front's own child, on a socket pair nobody else holds).
 in wire form (`wire.EncodedResult`, a few `bytes`); the large ones (a top-64 answer, hidden
 states) go out of band (pickle protocol 5), so the reader gets them as views of the one buffer
 the socket was read into (`Channel`, an asyncio buffered protocol): one copy from the kernel
-and none in Python. A CPU torch tensor (a request's token ids) pickles as its raw bytes, dtype
-and shape: torch's own pickling goes through `torch.save` and costs tens of µs a tensor, on the
-front's event loop. What the frames carry is `messages`' codec: typed messages as tuples.
+and none in Python. A request's ids are numpy int32 arrays (`engines.base`), which protocol 5
+carries out of band as they are (no copy to send; the worker's array is a view of its frame). A
+CPU torch tensor (an unembedding) pickles as its raw bytes, dtype and shape: torch's own pickling
+goes through `torch.save` and costs tens of µs a tensor, on the event loop. What the frames carry is `messages`' codec: typed messages as tuples.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from proctor.server.engines.base import EngineRequest, EngineResult
@@ -95,8 +96,8 @@ def assert_exact(result: EngineResult, request: EngineRequest, model_dir: Path |
         assert torch.equal(result.topk_ids.long(), ids), request.request_id
         torch.testing.assert_close(result.topk_logprobs.double(), values, rtol=0, atol=atol)
     if request.score_ids is not None:
-        picked = ref.distributions.gather(1, request.score_ids.clamp_min(0))
-        picked = picked.masked_fill(request.score_ids < 0, float("-inf"))
+        score_ids = torch.from_numpy(request.score_ids.astype(np.int64))
+        picked = ref.distributions.gather(1, score_ids.clamp_min(0)).masked_fill(score_ids < 0, float("-inf"))
         torch.testing.assert_close(result.score_logprobs.double(), picked, rtol=0, atol=atol)
     if request.hidden_states:
         torch.testing.assert_close(result.hidden_states.float(), ref.hidden_states, rtol=0,

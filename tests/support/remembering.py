@@ -17,8 +17,8 @@ from support.engines import InjectedEngine
 
 
 def _key(request: EngineRequest) -> tuple:
-    score_ids = request.score_ids.numpy().tobytes() if request.score_ids is not None else b""
-    return (request.token_ids.numpy().tobytes(), request.first_row, request.logprobs, request.topk,
+    score_ids = request.score_ids.tobytes() if request.score_ids is not None else b""
+    return (request.token_ids.tobytes(), request.first_row, request.logprobs, request.topk,
             request.hidden_states, request.temperature, score_ids)
 
 

@@ -32,6 +32,18 @@ def start_server(router: Router, **options) -> ServerThread:
     return ServerThread(router, ServerOptions(**options)).start()
 
 
+def start_worker_server(spec, teacher: str, build: Callable) -> ServerThread:
+    """One teacher of one replica whose worker process builds its engine with `build` (a function
+    of tests/support, importable in the worker: tests/ is put on its PYTHONPATH)."""
+    from proctor.server.front.fleet.routing import ReplicaSet, engine_replica
+    from proctor.server.worker.client import WorkerClient
+
+    name = f"{teacher}-0"
+    path = [str(Path(__file__).resolve().parents[1]), *[p for p in sys.path if p]]
+    replica = engine_replica(name, lambda: WorkerClient(spec, name=name, build=build, env={"PYTHONPATH": ":".join(path)}))
+    return start_server(Router([ReplicaSet(teacher, [replica])]))
+
+
 def free_port() -> int:
     """A port free now, for a test that must know a server's port before starting it."""
     with socket.socket() as sock:

@@ -14,6 +14,7 @@ import logging
 import threading
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from proctor.proto import torch_dtype
@@ -38,6 +39,7 @@ from proctor.server.engines.logit_transforms import LogitTransforms, logit_trans
 from proctor.server.engines.multimodal import check_counts
 from proctor.server.engines.prompt_reuse import ReuseSettings
 from proctor.server.engines.row_scores import score_rows
+from proctor.server.engines.teacher_serves import request_problem
 from proctor.server.engines.torch import invariant
 from proctor.server.engines.torch.loading import build
 from proctor.server.engines.torch.media import PreparedMedia, TorchMedia, is_multimodal, load_multimodal_model
@@ -203,14 +205,10 @@ class TorchEngine(TeacherEngine):
         return outcomes  # type: ignore[return-value]
 
     def _request_problem(self, request: EngineRequest) -> RequestRejected | None:
-        if request.media and self._media is None:
-            kinds = request.media.kinds()
-            return RequestRejected(
-                f"{kinds[0]}[0]", f"this teacher is text-only; this request carries {', '.join(kinds)}"
-            )
-        if not request.media and self._media is not None:  # a placeholder with its item lost
-            return check_counts(request, self._media.placeholders)
-        return None
+        problem = request_problem(self.describe(), request)  # the front's rule (`teacher_serves`)
+        if problem is None and not request.media and self._media is not None:  # a placeholder with its item lost
+            problem = check_counts(request, self._media.placeholders)
+        return problem
 
     def _prepare_media(self, batch: list[EngineRequest], outcomes: list[Outcome | None],
                        prepared: dict[str, PreparedMedia]) -> None:
@@ -267,14 +265,14 @@ class TorchEngine(TeacherEngine):
         hidden states, and the pass's KV cache when `keep_cache` (else None)."""
         device = next(body.parameters()).device
         width = max(r.num_tokens for r in batch)
-        ids = torch.zeros((len(batch), width), dtype=torch.long)
+        ids = np.zeros((len(batch), width), dtype=np.int64)  # torch's index form, filled from the int32 ids
         mask = torch.zeros((len(batch), width), dtype=torch.long)
         for row, request in enumerate(batch):
             ids[row, : request.num_tokens] = request.token_ids
             mask[row, : request.num_tokens] = 1
         self.forward_passes += 1
         kept = {"use_cache": True, "past_key_values": batch_cache()} if keep_cache else {"use_cache": False}
-        out = body(input_ids=ids.to(device), attention_mask=mask.to(device), **kept)
+        out = body(input_ids=torch.from_numpy(ids).to(device), attention_mask=mask.to(device), **kept)
         hidden = out.last_hidden_state
         # Position i-1 produces row i: each request's rows first_row..T-1.
         states = [hidden[i, r.first_row - 1 : r.num_tokens - 1] for i, r in enumerate(batch)]
@@ -290,7 +288,8 @@ class TorchEngine(TeacherEngine):
         if not wanted:
             return
         rows = torch.cat([states[i] for i in wanted])
-        targets = torch.cat([batch[i].token_ids[batch[i].first_row :] for i in wanted]).to(rows.device)
+        targets = torch.from_numpy(np.concatenate([batch[i].token_ids[batch[i].first_row :] for i in wanted],
+                                                  dtype=np.int64)).to(rows.device)
         score_ids = _padded_score_ids([batch[i] for i in wanted])
         head, transforms = model.get_output_embeddings(), self._transforms
         scores = score_rows(lambda h: transforms.apply(head(h)), rows, targets,
@@ -341,10 +340,10 @@ def _padded_score_ids(batch: list[EngineRequest]) -> torch.Tensor | None:
     widths = [r.score_ids.shape[1] for r in batch if r.score_ids is not None]
     if not widths:
         return None
-    out = torch.full((sum(r.num_rows for r in batch), max(widths)), -1, dtype=torch.long)
+    out = np.full((sum(r.num_rows for r in batch), max(widths)), -1, dtype=np.int64)
     row = 0
     for request in batch:
         if request.score_ids is not None:
             out[row : row + request.num_rows, : request.score_ids.shape[1]] = request.score_ids
         row += request.num_rows
-    return out
+    return torch.from_numpy(out)

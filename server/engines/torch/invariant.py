@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 
 from proctor.server.engines.base import EngineRequest, EngineResult
+from proctor.server.engines.token_ids import index_tensor
 
 
 def sequence_states(body: torch.nn.Module, batch: list[EngineRequest]) -> list[torch.Tensor]:
@@ -30,7 +31,7 @@ def sequence_states(body: torch.nn.Module, batch: list[EngineRequest]) -> list[t
     device = next(body.parameters()).device
     states = []
     for request in batch:
-        ids = request.token_ids.to(device)[None]
+        ids = index_tensor(request.token_ids).to(device)[None]
         hidden = body(input_ids=ids, use_cache=False).last_hidden_state[0]
         states.append(hidden[request.first_row - 1 : request.num_tokens - 1].contiguous())
     return states

@@ -33,6 +33,7 @@ from proctor.server.engines.multimodal import (
     decoded_media,
     run_lengths,
 )
+from proctor.server.engines.token_ids import index_tensor
 from proctor.server.engines.torch.loading import build
 
 # Architectures whose checkpoint wraps the scoring model: the Omni models' Thinker.
@@ -130,7 +131,7 @@ class TorchMedia:
 
         handle = model.get_decoder().register_forward_hook(keep)
         try:
-            ids = request.token_ids[None].to(device)
+            ids = index_tensor(request.token_ids)[None].to(device)
             dtype = next(model.parameters()).dtype
             inputs = {key: _to_model(value, device, dtype) for key, value in prepared.inputs.items()}
             extra = {"logits_to_keep": 1} if "logits_to_keep" in _forward_args(type(model)) else {}

@@ -42,7 +42,8 @@ import torch
 
 from proctor.server.engines.base import EngineRequest, EngineResult
 from proctor.server.engines.prefix_rows import RowRecord, joined
-from proctor.server.engines.prompt_reuse import PrefixStore, ReuseSettings, common_prefix, token_array
+from proctor.server.engines.prompt_reuse import PrefixStore, ReuseSettings, common_prefix
+from proctor.server.engines.token_ids import index_tensor, token_array
 
 log = logging.getLogger(__name__)
 
@@ -231,7 +232,7 @@ class TorchPrefix:
         mask = torch.zeros((count, past + width), dtype=torch.long)
         mask[:, :past] = 1
         for row, (request, length) in enumerate(zip(group, fed, strict=True)):
-            ids[row, :length] = request.token_ids[past : past + length]
+            ids[row, :length] = index_tensor(request.token_ids[past : past + length])
             mask[row, past : past + length] = 1
         kv = DynamicCache(ddp_cache_data=[(k[:, :, :past].expand(count, -1, -1, -1),
                                            v[:, :, :past].expand(count, -1, -1, -1)) for k, v in layers])

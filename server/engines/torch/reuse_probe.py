@@ -15,6 +15,7 @@ import torch
 from proctor.proto.versions import installed
 from proctor.server.engines.base import EngineRequest, EngineResult
 from proctor.server.engines.prompt_reuse import ReuseSettings
+from proctor.server.engines.token_ids import token_array
 from proctor.server.engines.torch.prefix import PaddedPass, TorchPrefix
 
 log = logging.getLogger("proctor.server.engines.torch.prefix")  # one logger for the reuse path's lines
@@ -62,7 +63,7 @@ def _probe_gap(body: torch.nn.Module, padded: PaddedPass) -> float | None:
         for index, length in enumerate(lengths):
             response = ids[offset : offset + length]
             offset += length
-            batch.append(EngineRequest(request_id=f"probe{step}.{index}", token_ids=torch.cat([prompt, response]),
+            batch.append(EngineRequest(request_id=f"probe{step}.{index}", token_ids=token_array(torch.cat([prompt, response])),
                                        first_row=_PROBE_PROMPT, logprobs=True, topk=0, hidden_states=False))
         scored = prefix.states(body, batch, padded)
         if not prefix.settings.enabled:

@@ -27,7 +27,6 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from proctor.proto.hidden_forms import PROJECTED_FORMS
@@ -42,6 +41,7 @@ from proctor.server.engines.checkpoint import check_cpu_head_dim, model_facts
 from proctor.server.engines.checks import check_vllm_settings
 from proctor.server.engines.prompt_reuse import ReuseSettings
 from proctor.server.engines.row_scores import score_rows
+from proctor.server.engines.token_ids import index_tensor
 from proctor.server.engines.vllm.adapter import SCORING_TASK, check_vllm_version, engine_classes
 from proctor.server.engines.vllm.args import engine_args_from_settings, engine_kwargs_of, engine_request_id
 from proctor.server.engines.vllm.errors import input_error
@@ -158,8 +158,7 @@ class VllmEngine(VllmFamilyEngine):
         return result
 
     def _ask(self, request: EngineRequest, *, keep_row: int = 0) -> ScoreAsk:
-        score_ids = b"" if request.score_ids is None else np.ascontiguousarray(
-            request.score_ids.numpy(), dtype=np.int32).tobytes()
+        score_ids = b"" if request.score_ids is None else request.score_ids.tobytes()  # int32, row-major
         return ScoreAsk(
             first_row=request.first_row,
             scores=bool(request.logprobs or request.topk or request.score_ids is not None),
@@ -228,10 +227,10 @@ class VllmEngine(VllmFamilyEngine):
     def kept_row(self, request: EngineRequest, row: KeptRow, index: int) -> EngineResult:
         """Row `index` of the request from the raw logits kept at position index-1, by the same rule
         the pooler scores by."""
-        target = request.token_ids[index : index + 1]
+        target = index_tensor(request.token_ids[index : index + 1])
         temperatures = None if request.temperature == 1.0 else torch.tensor([request.temperature])
         offset = index - request.first_row
-        score_ids = None if request.score_ids is None else request.score_ids[offset : offset + 1]
+        score_ids = None if request.score_ids is None else index_tensor(request.score_ids[offset : offset + 1])
         scores = score_rows(lambda h: h, row.logits[None], target, topk=request.topk,
                             temperatures=temperatures, score_ids=score_ids, ranks=request.ranks)
         pooled = PooledScores(index, 1, scores.logprobs, scores.ranks, scores.topk_ids, scores.topk_logprobs,

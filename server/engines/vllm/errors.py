@@ -26,8 +26,8 @@ from proctor.server.engines.base import (
     EngineRequest,
     RequestFailed,
     RequestRejected,
-    describe_fault,
 )
+from proctor.server.engines.faults import describe_fault
 from proctor.server.engines.vllm.adapter import vllm_error_types
 
 log = logging.getLogger(__name__)

@@ -45,6 +45,7 @@ from proctor.server.engines.invariance import batch_invariant
 from proctor.server.engines.logit_transforms import logit_transforms
 from proctor.server.engines.multimodal import check_counts
 from proctor.server.engines.score_ids import FROM_HIDDEN
+from proctor.server.engines.teacher_serves import request_problem
 from proctor.server.engines.vllm.args import resolve_max_logprobs
 from proctor.server.engines.vllm.errors import classify_error
 
@@ -221,25 +222,9 @@ class VllmFamilyEngine(TeacherEngine):
                 self.aborted.append(key)
 
     def _request_problem(self, request: EngineRequest) -> RequestRejected | None:
-        """What this engine cannot score about a request that passed the service's validation."""
-        if request.topk > self.max_logprobs:
-            return RequestRejected("topk", f"{request.topk} exceeds this teacher's max_topk {self.max_logprobs}")
-        if request.hidden_states and not self.serves_hidden_states:
-            return RequestRejected("hidden_states", "this teacher is configured without hidden states")
-        if request.score_ids is not None and not self.score_ids_method:
-            return RequestRejected("score_ids", "this teacher serves no score_ids (see its ListTeachers outputs)")
-        if request.media and not self.media_kinds:
-            kinds = request.media.kinds()
-            return RequestRejected(
-                kinds[0], f"the {self.engine_name} engine serves a text-only teacher; this request carries {', '.join(kinds)}"
-            )
-        if not request.media and self.media_kinds:  # a placeholder with its item lost
+        """What this engine cannot score about a request (the front checked it by the same rule,
+        `teacher_serves`, unless the request came another way), and a placeholder whose item is lost."""
+        problem = request_problem(self.describe(), request)
+        if problem is None and not request.media and self.media_kinds:
             problem = check_counts(request, self._media.placeholders)
-            if problem is not None:
-                return problem
-        if self._info is not None and request.num_tokens > self._info.max_sequence_tokens:
-            return RequestRejected(
-                "token_ids", f"{request.num_tokens} tokens exceed the {self._info.max_sequence_tokens} this teacher "
-                f"scores (max_model_len {self._info.max_model_len})",
-            )
-        return None
+        return problem

@@ -48,7 +48,7 @@ class VllmMedia:
         if problem is not None:
             raise problem
         prompt: dict[str, Any] = {
-            "prompt_token_ids": collapse_runs(request.token_ids.numpy(), self.placeholders),
+            "prompt_token_ids": collapse_runs(request.token_ids, self.placeholders),
             "multi_modal_data": decoded_media(request),
             **salt,
         }
@@ -64,7 +64,7 @@ class VllmMedia:
             raise RequestRejected("token_ids", "the engine reported no prompt ids to check the placeholders against")
         kinds = request.media.kinds()
         problem = check_runs(request, self.placeholders, run_lengths(expanded, self.placeholders, kinds))
-        if problem is None and not np.array_equal(np.asarray(expanded), request.token_ids.numpy()):
+        if problem is None and not np.array_equal(np.asarray(expanded), request.token_ids):
             problem = RequestRejected(
                 "token_ids", f"the model's processor expands the media to {len(expanded)} tokens, "
                 f"not the {request.num_tokens} sent",

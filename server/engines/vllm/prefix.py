@@ -35,7 +35,8 @@ import torch
 
 from proctor.server.engines.base import EngineRequest, EngineResult
 from proctor.server.engines.prefix_rows import RowRecord, joined
-from proctor.server.engines.prompt_reuse import Match, PrefixStore, ReuseSettings, token_array
+from proctor.server.engines.prompt_reuse import Match, PrefixStore, ReuseSettings
+from proctor.server.engines.token_ids import token_array
 from proctor.server.engines.vllm.pooled_scores import PooledScores
 
 log = logging.getLogger(__name__)

@@ -27,6 +27,7 @@ import torch
 
 from proctor.server.engines.base import EngineError, EngineRequest, EngineResult, RequestRejected
 from proctor.server.engines.score_ids import scores_from_hidden
+from proctor.server.engines.token_ids import index_tensor
 from proctor.server.engines.vllm.media import VllmMedia
 from proctor.server.engines.vllm_omni.prompt_logprobs import extract_rows, hidden_rows
 
@@ -129,5 +130,5 @@ def score_ids_from_hidden(request: EngineRequest, final: Any, unembedding: torch
     out = stage_output(final)
     actual, _, _ = extract_rows(out.prompt_logprobs, request.token_ids, request.first_row, request.topk)
     states = hidden_rows(extract_hidden(out, request.num_tokens), request.num_tokens, request.first_row)
-    return scores_from_hidden(states, unembedding, request.score_ids,
-                              request.token_ids[request.first_row :], actual)
+    return scores_from_hidden(states, unembedding, index_tensor(request.score_ids),
+                              index_tensor(request.token_ids[request.first_row :]), actual)

@@ -27,9 +27,8 @@ from proctor.server.engines.base import (
     RequestAborted,
     RequestFailed,
     TeacherEngine,
-    describe_fault,
-    is_out_of_memory,
 )
+from proctor.server.engines.faults import describe_fault, is_out_of_memory
 
 log = logging.getLogger(__name__)
 

@@ -35,6 +35,7 @@ import torch
 from proctor.server.common.background import cancel_and_wait
 from proctor.server.common.metrics import NULL_SINK, MetricsSink
 from proctor.server.engines.base import EngineConfigError, EngineInfo, EngineRequest, RequestRejected
+from proctor.server.engines.token_ids import token_array
 from proctor.server.front.fleet.replicas import Replica, ReplicaState
 
 log = logging.getLogger(__name__)
@@ -88,7 +89,7 @@ def canaries(settings: DriftSettings, info: EngineInfo) -> list[np.ndarray]:
 
 
 def _request(index: int, ids: np.ndarray) -> EngineRequest:
-    return EngineRequest(request_id=f"proctor-canary-{index}", token_ids=torch.from_numpy(ids.copy()), first_row=1,
+    return EngineRequest(request_id=f"proctor-canary-{index}", token_ids=token_array(ids), first_row=1,
                          logprobs=True, topk=0, hidden_states=False)
 
 

@@ -33,8 +33,8 @@ from proctor.server.engines.base import (
     RequestAborted,
     RequestFailed,
     RequestRejected,
-    describe_fault,
 )
+from proctor.server.engines.faults import describe_fault
 from proctor.server.engines.prompt_reuse import PromptAffinity, ReuseSettings
 from proctor.server.front.fleet.drift import DriftCheck, DriftSettings
 from proctor.server.front.fleet.replica_faults import RETRIES_AFTER_FAULT

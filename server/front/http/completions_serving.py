@@ -28,10 +28,10 @@ from proctor.server.front.bounded_json import loads_bounded
 from proctor.server.front.fleet.routing import ReplicaSet
 from proctor.server.front.http.cancellation import ClientGone, cancel_on_disconnect, client_gone
 from proctor.server.front.http.errors import openai_error
-from proctor.server.front.http.models import extend_ids
 from proctor.server.front.http.openai_compat import CompletionBody
 from proctor.server.front.http.request import INLINE_BODY_BYTES, read_body, request_timeout
 from proctor.server.front.http.teacher_tokenizers import Tokenizers
+from proctor.server.front.ids import extend_ids
 from proctor.server.front.responses import Responses
 from proctor.server.front.service import ScoredRequest, ScoringService
 
@@ -68,7 +68,7 @@ def build_requests(ask: CompletionBody, teacher_name: str, tokenizer: Any) -> Bu
             prompt = list(tokenizer.encode(prompt))
         message = scoring_pb2.ScoreRequest()
         message.CopyFrom(template)
-        extend_ids(message, prompt)
+        extend_ids(message.token_ids, prompt)
         prompts.append(prompt)
         messages.append(message)
     return Built(prompts, messages)

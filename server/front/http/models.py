@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import functools
+import itertools
 import json
 from collections.abc import Callable
 from typing import Annotated, Any, Self
@@ -33,12 +34,10 @@ from pydantic.fields import FieldInfo
 
 from proctor.proto import scoring_pb2
 from proctor.server.common.errors import invalid
-from proctor.server.front.bounded_json import loads_bounded
+from proctor.server.front.ids import INT32, extend_ids, int32_ids
+from proctor.server.front.media_fields import processor_kwargs
 
-INT32 = range(-(2**31), 2**31)
 Int32 = Annotated[int, Field(ge=INT32.start, le=INT32.stop - 1)]
-# Token ids go into a ScoreRequest in slices of this many, so no single C call holds the GIL long.
-_IDS_SLICE = 1 << 16
 # Padded score_ids a JSON body may expand to (ragged rows are padded to the longest): bounds the
 # allocation before validation, which then holds K to the teacher's max_topk.
 _MAX_SCORE_ID_CELLS = 1 << 24
@@ -136,12 +135,6 @@ def _inline_refs(schema: dict[str, Any]) -> dict[str, Any]:
     return inline(schema)
 
 
-def extend_ids(message: scoring_pb2.ScoreRequest, ids: list[int]) -> None:
-    """Token ids into the message in slices, so that no one C call holds the GIL long."""
-    for start in range(0, len(ids), _IDS_SLICE):
-        message.token_ids.extend(ids[start:start + _IDS_SLICE])
-
-
 def _short(value: int) -> str:
     text = str(value)
     return text if len(text) <= 24 else f"an integer of {len(text)} digits"
@@ -164,18 +157,14 @@ def _token_ids(ids: list[int] | _Absent | None) -> list[int]:
     if ids is None or ids is ABSENT:
         raise invalid("token_ids", "is required")
     assert isinstance(ids, list)  # the outer type is checked first
-    if any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
-        raise invalid("token_ids", "must be a list of integers")
-    if any(t not in INT32 for t in ids):
-        raise invalid("token_ids", "has a value outside the int32 range")
+    int32_ids("token_ids", ids)
     return ids
 
 
 def _teacher_prompt_ids(ids: list | None) -> list[int] | None:
     if ids is None:
         return None
-    if any(isinstance(t, bool) or not isinstance(t, int) or t not in INT32 for t in ids):
-        raise invalid("teacher_prompt_ids", "must be a list of integer token ids in the int32 range")
+    int32_ids("teacher_prompt_ids", ids)
     return ids
 
 
@@ -193,35 +182,41 @@ def _messages(items: list | None) -> list[scoring_pb2.AlignedMessage] | None:
 
 
 def _media(items: list | None, info: ValidationInfo) -> list[scoring_pb2.Media]:
+    """JSON's own rules of media items (an object of strings, its data in base64); whether an item
+    is empty or lacks its type is the rule of every surface (`media_fields`, applied by validation)."""
     field = info.field_name
     out = []
     for index, item in enumerate(items or ()):
-        if not isinstance(item, dict) or "data" not in item or not isinstance(item.get("media_type"), str):
+        if not isinstance(item, dict) or not all(isinstance(item.get(key, ""), str) for key in ("data", "media_type")):
             raise invalid(f"{field}[{index}]", 'must be {"data": <base64>, "media_type": "..."}')
         try:
-            data = base64.b64decode(item["data"], validate=True)
-        except (ValueError, TypeError) as exc:  # binascii.Error is a ValueError, as is non-ASCII text
+            data = base64.b64decode(item.get("data", ""), validate=True)
+        except ValueError as exc:  # binascii.Error is a ValueError, as is non-ASCII text
             raise invalid(f"{field}[{index}].data", "is not valid base64") from exc
-        out.append(scoring_pb2.Media(data=data, media_type=item["media_type"]))
+        out.append(scoring_pb2.Media(data=data, media_type=item.get("media_type", "")))
     return out
 
 
 def _processor_kwargs(kwargs: dict | str | None) -> str:
-    """mm_processor_kwargs as the JSON text the wire carries; a string is checked here with
-    the same bounds as the body, so that hostile text never reaches the service's parser."""
+    """mm_processor_kwargs as the JSON text the wire carries; a string is read here by the rule of
+    every surface (`media_fields`), off the loop with the body, so that hostile text is refused
+    before the service sees it."""
     if not kwargs:
         return ""
     if isinstance(kwargs, dict):
         return json.dumps(kwargs)
-    if not isinstance(loads_bounded(kwargs, field="mm_processor_kwargs"), dict):
-        raise invalid("mm_processor_kwargs", "must be a JSON object")
+    processor_kwargs(kwargs)
     return kwargs
 
 
-def _temperature(value: float | None) -> float | None:
-    if isinstance(value, bool):
-        raise invalid("temperature", "must be a number, got bool")
-    return None if value is None else float(value)
+def json_temperature(value: Any) -> float | None:
+    """temperature as JSON carries it: a number (not a bool), or null. Its value is checked by the
+    rule of every surface, in `front.validation`, which also knows whether the teacher applies it."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise invalid("temperature", f"must be a number, got {type(value).__name__}")
+    return float(value)
 
 
 def _score_ids(rows: list | None) -> scoring_pb2.Tensor | None:
@@ -236,8 +231,7 @@ def _score_ids(rows: list | None) -> scoring_pb2.Tensor | None:
     if len(rows) * width > min(_MAX_SCORE_ID_CELLS, max(_RAGGED_SLACK * given, _RAGGED_FREE_CELLS)):
         raise invalid("score_ids", f"{len(rows)} rows of up to {width} ids ({given} given) pad to "
                       f"{len(rows) * width} cells; pad the rows with -1 to one width yourself, or send fewer")
-    if any(isinstance(t, bool) or not isinstance(t, int) or t not in INT32 for row in rows for t in row):
-        raise invalid("score_ids", "must hold integer token ids in the int32 range")
+    int32_ids("score_ids", itertools.chain.from_iterable(rows))
     ids = np.full((len(rows), width), -1, dtype="<i4")
     for index, row in enumerate(rows):
         ids[index, : len(row)] = row
@@ -277,7 +271,7 @@ class ScoreBody(WireModel):
     videos: _Media = None
     audios: _Media = None
     mm_processor_kwargs: Annotated[str | None, checked(_processor_kwargs, dict[str, Any] | str | None)] = None
-    temperature: Annotated[float | None, checked(_temperature, float | None)] = Field(
+    temperature: Annotated[float | None, checked(json_temperature, float | None)] = Field(
         None, description="divides the teacher's logits before the log-softmax")
     score_ids: Annotated[scoring_pb2.Tensor | None, checked(_score_ids, list[list[Int32]] | None)] = Field(
         None, description="per row, the ids whose log-probs to answer (rows may be ragged)")
@@ -310,7 +304,7 @@ class ScoreBody(WireModel):
         request = scoring_pb2.ScoreRequest(
             request_id=self.request_id or "", teacher_key=self.teacher_key or "", logprobs=bool(self.logprobs),
             topk=self.topk or 0, hidden_states=bool(self.hidden_states), hidden_form=self.hidden_form or "")
-        extend_ids(request, self.token_ids)
+        extend_ids(request.token_ids, self.token_ids)
         if self.prompt_length is not None:
             request.prompt_length = self.prompt_length
         for media, items in (("images", self.images), ("videos", self.videos), ("audios", self.audios)):

@@ -26,14 +26,14 @@ its validation and its OpenAPI schema are the same list. `completions_serving` s
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Annotated, Any
 
 from pydantic import PrivateAttr, ValidationInfo, model_validator
 
 from proctor.server.common.errors import invalid
-from proctor.server.front.http.models import ABSENT, INT32, Int32, WireModel, checked, required
+from proctor.server.front.http.models import ABSENT, Int32, WireModel, checked, json_temperature, required
+from proctor.server.front.ids import int32_ids
 
 _NOT_SCORING = "is not supported: this server scores prompts (prompt_logprobs) and generates nothing"
 
@@ -98,22 +98,10 @@ def _prompt_logprobs(value: Any) -> int:
     return value
 
 
-def _temperature(value: Any) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise invalid("temperature", "must be a number")
-    if not math.isfinite(float(value)) or value <= 0:
-        raise invalid("temperature", f"is {value}; it must be a finite number > 0 (it divides the "
-                      "teacher's logits before the log-softmax)")
-    return float(value)
-
-
 def _ids(prompt: list, field: str) -> list[int]:
     if not prompt:
         raise invalid(field, "is empty")
-    if not all(_is_int(t) and t in INT32 for t in prompt):
-        raise invalid(field, "must be token ids: integers in the int32 range")
+    int32_ids(field, prompt)
     return prompt
 
 
@@ -149,7 +137,7 @@ class CompletionBody(WireModel):
     echo: Annotated[bool, checked(_echo, bool)] = False
     max_tokens: Annotated[int, checked(_max_tokens, int)] = required("1 (or 0 with echo)")
     prompt_logprobs: Annotated[int, checked(_prompt_logprobs, int)] = required("K: the top-K per position")
-    temperature: Annotated[float | None, checked(_temperature, float | None)] = None
+    temperature: Annotated[float | None, checked(json_temperature, float | None)] = None
     cache_salt: str | None = None  # vLLM's: scopes prompt reuse (ScoreRequest.cache_salt)
     # Accepted at their neutral value only.
     n: _neutral(int, 1) = None
