@@ -184,7 +184,7 @@ def test_check_config_cli_prints_the_resolved_plan(tmp_path, tiny_model_dir):
     result = CliRunner().invoke(app, ["check-config", str(path)])
     assert result.exit_code == 0, result.output
     assert "teacher t: key 't', engine torch" in result.output
-    assert "teacher t: 3 replica(s) of 1 device(s)" in result.output
+    assert "teacher t: 3 replicas of 1 device each" in result.output
     assert "t-2: t on node 0 [2]" in result.output
 
 

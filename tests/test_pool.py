@@ -97,7 +97,7 @@ def test_more_teachers_than_slots_of_one_architecture_share_groups_with_swapping
     assert len(plan.groups) == 2
     assert all(g.shared and g.teachers == ("a", "b", "c") for g in plan.groups)
     assert [len(plan.groups_of(n)) for n in "abc"] == [2, 2, 2]
-    assert "sharing 2 group(s) by weight swapping" in plan.summary()
+    assert "2 slots shared by weight swapping" in plan.summary()
 
 
 def test_enough_slots_split_auto_teachers_without_sharing():

@@ -35,6 +35,11 @@ class PlacementError(ValueError):
         super().__init__("; ".join(self.problems))
 
 
+def _count(n: int, noun: str) -> str:
+    """`1 device`, `2 devices`: what a person reads in a summary."""
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
 @dataclass(frozen=True)
 class TeacherDemand:
     """What one teacher asks of the pool."""
@@ -122,15 +127,13 @@ class PlacementPlan:
 
     def summary(self) -> str:
         """What `proctor check-config` prints: the pool, each teacher, each replica's devices."""
-        lines = [
-            f"pool: {self.nnodes} node(s) × {self.n_gpus_per_node} {self.device_kind} device(s) "
-            f"= {self.pool_size}"
-        ]
+        lines = [f"pool: {_count(self.nnodes, 'node')} × {_count(self.n_gpus_per_node, self.device_kind + ' device')} "
+                 f"= {self.pool_size}"]
         for name in self.teachers():
             groups = self.groups_of(name)
             shared = [g for g in groups if g.shared]
-            note = f", sharing {len(shared)} group(s) by weight swapping" if shared else ""
-            lines.append(f"teacher {name}: {len(groups)} replica(s) of {groups[0].size} device(s){note}")
+            note = f", {_count(len(shared), 'slot')} shared by weight swapping" if shared else ""
+            lines.append(f"teacher {name}: {_count(len(groups), 'replica')} of {_count(groups[0].size, 'device')} each{note}")
         lines.extend(f"  {g.describe(self.device_kind)}" for g in self.groups)
         return "\n".join(lines)
 
