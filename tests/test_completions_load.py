@@ -9,7 +9,10 @@
   tokens/s, so that a busy machine does not decide the test; the best round of the first half
   against the best of the second half. Other processes on the host only ever add to a round's CPU
   (cache and core contention), never take from it, so the minimum over six rounds is the
-  estimate of the front's own cost; over three, one noisy stretch of the host decided it.
+  estimate of the front's own cost; over three, one noisy stretch of the host decided it. The
+  bound, 1.25×, is above what a loaded host's drift showed in full runs (1.14× and 1.19×, with a
+  flat cost on a quiet host: `bench/completions_rounds.py`, 16 rounds, last/first 0.98×) and
+  below what a cost that grows with the requests served gives over twelve rounds.
   `bench/completions_rounds.py` prints the per-round figures (tokens/s too).
 """
 
@@ -88,5 +91,5 @@ async def test_rounds_of_the_same_load_keep_the_fronts_cost_and_memory(server):
             cpu_per_token.append((_front_cpu(front) - before) / tokens)
             rss.append(front.memory_info().rss)
     early, late = min(cpu_per_token[: ROUNDS // 2]), min(cpu_per_token[ROUNDS // 2 :])
-    assert late <= early * 1.10, [f"{value * 1e6:.1f} us" for value in cpu_per_token]
+    assert late <= early * 1.25, [f"{value * 1e6:.1f} us" for value in cpu_per_token]
     assert rss[-1] - rss[1] < 24 << 20, [f"{value / 2**20:.1f} MiB" for value in rss]

@@ -33,7 +33,7 @@ def test_full_forward_kl_demo_halves_the_loss_and_writes_a_plot(tmp_path):
     # The loss said in words and its unit (not only the loss library's name for it), and no
     # progress bar when the output is not a terminal: every step is one whole line.
     assert ("loss full_forward_kl: KL(teacher || student) over the whole vocabulary, from the teacher's hidden "
-            "states, in nats per response token (the loss library's loss_mode 'nitrobrew')") in printed
+            "states, in nats per response token (the loss library's loss_mode 'nitrobrew', verl-omni's name)") in printed
     assert "distilling" not in printed and "\r" not in printed
     assert sum(line.startswith("step ") and "tok/s" in line for line in printed.splitlines()) == 8
 
