@@ -11,8 +11,8 @@
   (cache and core contention), never take from it, so the minimum over six rounds is the
   estimate of the front's own cost; over three, one noisy stretch of the host decided it. The
   bound, 1.25×, is above what a loaded host's drift showed in full runs (1.14× and 1.19×, with a
-  flat cost on a quiet host: `bench/completions_rounds.py`, 16 rounds, last/first 0.98×) and
-  below what a cost that grows with the requests served gives over twelve rounds.
+  flat cost on a quiet host: `bench/completions_rounds.py`, 16 rounds, last/first 0.98×): it
+  catches a climb of a quarter or more within twelve rounds, not a slower one.
   `bench/completions_rounds.py` prints the per-round figures (tokens/s too).
 """
 
