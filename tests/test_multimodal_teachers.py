@@ -181,18 +181,24 @@ def _bad_requests(model_dir):
     ]
 
 
+async def refuses_bad_media_between_good_answers(client: TeacherClient, model_dir) -> None:
+    """Each of `_bad_requests` is refused (INVALID_ARGUMENT naming its field), and a good request
+    right after each one scores as the reference: the replica kept serving."""
+    good = omni_samples()["audio"]
+    good_ref = reference(model_dir, good)
+    for name, ids, media, field in _bad_requests(model_dir):
+        with pytest.raises(InvalidArgument) as err:
+            await client.score(ids, topk=TOPK, **media)
+        assert err.value.field.startswith(field), (name, err.value.field, str(err.value))
+        assert_scores_match(await client.score(good_ref.ids, topk=TOPK, **good.media()), good_ref, topk=TOPK)
+
+
 @pytest.mark.parametrize("server_name", ["vllm_omni_thinker", "torch_omni"])
 async def test_bad_media_is_the_requests_error_and_the_replica_keeps_serving(request, tiny_multimodal, server_name):
     server = request.getfixturevalue(server_name)
     model_dir = tiny_multimodal["omni"]
-    good = omni_samples()["audio"]
-    good_ref = reference(model_dir, good)
     async with TeacherClient(_target(server)) as client:
-        for name, ids, media, field in _bad_requests(model_dir):
-            with pytest.raises(InvalidArgument) as err:
-                await client.score(ids, topk=TOPK, **media)
-            assert err.value.field.startswith(field), (name, err.value.field, str(err.value))
-            assert_scores_match(await client.score(good_ref.ids, topk=TOPK, **good.media()), good_ref, topk=TOPK)
+        await refuses_bad_media_between_good_answers(client, model_dir)
     metrics = httpx.get(server.http_url + "/metrics", timeout=30).text
     failures = [line for line in metrics.splitlines() if line.startswith("proctor:replica_failures_total{")]
     assert failures and all(line.endswith(" 0.0") for line in failures), failures
