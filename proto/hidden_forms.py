@@ -30,13 +30,6 @@ SCALE_BYTES = 4
 ROWS_DTYPE = torch.uint8  # fp8 rows' storage dtype: the codec maps it to FLOAT8_E4M3_ROWS
 
 
-def check_form(form: str) -> str:
-    """`form` if it is a known wire form ("" included); ValueError naming the known ones otherwise."""
-    if form != EXACT and form not in FORMS:
-        raise ValueError(f"unknown hidden_form {form!r} (one of {', '.join(FORMS)}, or empty for the teacher's dtype)")
-    return form
-
-
 def row_bytes(form: str, hidden_size: int, rank: int, exact_itemsize: int) -> int:
     """Bytes one row of hidden states takes on the wire in `form` (`exact_itemsize`: the teacher dtype's)."""
     width = rank if form in PROJECTED_FORMS else hidden_size
