@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from proctor.client import TeacherClient
 from proctor.server.cli.tiny_model import make_tiny_model
 
-from support.servers import SubprocessServer, free_port
+from support.servers import SubprocessServer
+from support.stock_vllm import StockServer
 
 K = 64
 
@@ -65,37 +65,6 @@ def tree_pss(pid: int) -> tuple[float, float, float]:
             continue
     return (sum(sizes.values()), sum(v for k, v in sizes.items() if k in hosts),
             sum(v for k, v in sizes.items() if k in cores))
-
-
-class StockServer:
-    """vLLM's own OpenAI-compatible server on a loopback port."""
-
-    def __init__(self, model: Path, memory: float, max_len: int) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--dtype", "float32",
-             "--max-model-len", str(max_len), "--gpu-memory-utilization", str(memory), "--max-logprobs", str(K),
-             "--enforce-eager", "--host", "127.0.0.1", "--port", str(self.port)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if self.proc.poll() is not None:
-                raise RuntimeError("stock vLLM server exited during startup")
-            time.sleep(1)
-        raise TimeoutError("stock vLLM server did not start")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
 
 
 async def completions(url: str, model: str, seqs: list[list[int]], body: dict) -> float:

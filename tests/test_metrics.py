@@ -43,11 +43,12 @@ def test_counts_after_known_traffic_are_exact(fresh_server):
 
     samples = scrape(fresh_server.http_url)
     t = ("teacher", "tiny")
-    assert samples[("proctor:requests_total", (("mode", "logprobs"), ("outcome", "ok"), t))] == 3
-    assert samples[("proctor:requests_total", (("mode", "logprobs+topk"), ("outcome", "ok"), t))] == 2
-    assert samples[("proctor:requests_total", (("mode", "logprobs"), ("outcome", "invalid_argument"), t))] == 1
-    assert samples[("proctor:scored_tokens_total", (("mode", "logprobs"), t))] == sum(lengths)
-    assert samples[("proctor:scored_tokens_total", (("mode", "logprobs+topk"), t))] == 13
+    grpc_, http = ("surface", "grpc"), ("surface", "proctor_http")  # each request under the surface it came through
+    assert samples[("proctor:requests_total", (("mode", "logprobs"), ("outcome", "ok"), grpc_, t))] == 3
+    assert samples[("proctor:requests_total", (("mode", "logprobs+topk"), ("outcome", "ok"), http, t))] == 2
+    assert samples[("proctor:requests_total", (("mode", "logprobs"), ("outcome", "invalid_argument"), grpc_, t))] == 1
+    assert samples[("proctor:scored_tokens_total", (("mode", "logprobs"), grpc_, t))] == sum(lengths)
+    assert samples[("proctor:scored_tokens_total", (("mode", "logprobs+topk"), http, t))] == 13
     assert samples[("proctor:request_latency_seconds_count", (t,))] == 5
     assert samples[("proctor:queue_time_seconds_count", (t,))] == 5
     assert samples[("proctor:engine_time_seconds_count", (t,))] == 5

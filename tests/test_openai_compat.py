@@ -105,10 +105,11 @@ def _post(server, body: dict) -> httpx.Response:
     ({"top_p": 0.9}, "top_p"),
     ({"stream": True}, "stream"),
     ({"n": 2}, "n"),
-    ({"logprobs": 5}, "logprobs"),
+    ({"logprobs": 5}, "temperature"),  # a sampled token's log-probs: only greedy (temperature 0) generates
+    ({"logprobs": -1, "temperature": 0}, "logprobs"),
     ({"prompt_logprobs": None}, "prompt_logprobs"),
     ({"prompt_logprobs": 65}, "topk"),
-    ({"temperature": 0}, "temperature"),
+    ({"temperature": -1}, "temperature"),
     ({"tools": []}, "tools"),
     ({"prompt": [[1, "x"]]}, "prompt[0]"),
 ])

@@ -12,6 +12,7 @@ registry, so several servers in one process (tests) never share counts.
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -61,6 +62,12 @@ class MetricsSink:
 
 NULL_SINK = MetricsSink()
 
+# The protocol the request in hand came through (`grpc`, `proctor_http`, `openai_completions`,
+# `vllm_generate`, `sglang_generate`): set once per call by its transport (the gRPC servicer,
+# the HTTP app's `TeacherPaths`), read when the request is counted, so the service and its
+# shells pass nothing for it. A call made in-process, with no transport, is `direct`.
+SURFACE: ContextVar[str] = ContextVar("proctor_surface", default="direct")
+
 
 class Metrics(MetricsSink):
     """The Prometheus registry of one server, fed by the events of its components."""
@@ -69,11 +76,11 @@ class Metrics(MetricsSink):
         self.registry = CollectorRegistry()
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         r = self.registry
-        self.requests = Counter("proctor:requests", "Scoring requests by outcome.",
-                                ["teacher", "mode", "outcome"], registry=r)
+        self.requests = Counter("proctor:requests", "Scoring requests by outcome and the surface they came through.",
+                                ["teacher", "mode", "outcome", "surface"], registry=r)
         self.scored_tokens = Counter("proctor:scored_tokens",
                                      "Tokens replayed through a teacher (prompt + response).",
-                                     ["teacher", "mode"], registry=r)
+                                     ["teacher", "mode", "surface"], registry=r)
         self.response_bytes = Counter("proctor:response_bytes", "Bytes of scoring responses sent.",
                                       ["teacher", "mode"], registry=r)
         self.request_latency = Histogram("proctor:request_latency_seconds",
@@ -175,12 +182,13 @@ class Metrics(MetricsSink):
 
     # -- the service's own counts ----------------------------------------------------------
     def request_done(self, teacher: str, mode: str, outcome: str) -> None:
-        self._series(self.requests, teacher, mode, outcome).inc()
+        self._series(self.requests, teacher, mode, outcome, SURFACE.get()).inc()
 
     def request_scored(self, teacher: str, mode: str, tokens: int, *, latency: float, queue: float,
                        engine: float) -> None:
-        self._series(self.requests, teacher, mode, "ok").inc()
-        self._series(self.scored_tokens, teacher, mode).inc(tokens)
+        surface = SURFACE.get()
+        self._series(self.requests, teacher, mode, "ok", surface).inc()
+        self._series(self.scored_tokens, teacher, mode, surface).inc(tokens)
         self._series(self.request_latency, teacher).observe(latency)
         self._series(self.queue_time, teacher).observe(queue)
         self._series(self.engine_time, teacher).observe(engine)

@@ -21,7 +21,8 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -46,21 +47,63 @@ def _float_texts(values: np.ndarray) -> np.ndarray:
     return out.reshape(values.shape)
 
 
-class TokenText:
-    """Token id -> the two constant pieces of its entry: the key (`"<id>":{"logprob":`) and the
-    tail with its `decoded_token` (each id decoded alone, as vLLM reports it), made once per id
-    and kept (a table the size of the ids seen, at most the vocabulary)."""
+REPLACEMENT = "\ufffd"
+# vLLM reads this many preceding tokens to finish a character split across tokens.
+_CONTEXT_TOKENS = 4
 
-    def __init__(self, decode: Callable[[int], str]) -> None:
-        self._decode = decode
+
+def _space_marker(tokenizer: Any) -> str | None:
+    """The Metaspace replacement character of a SentencePiece-style tokenizer (its `decode` of one
+    token drops the leading space the piece carries), None for byte-level and other tokenizers."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    try:
+        pre = json.loads(backend.to_str()).get("pre_tokenizer") or {}
+    except Exception:  # a backend that cannot describe itself: decode as it is
+        return None
+    for part in [pre, *pre.get("pretokenizers", [])] if pre.get("type") == "Sequence" else [pre]:
+        if part.get("type") == "Metaspace":
+            return part.get("replacement", "\u2581")
+    return None
+
+
+class TokenText:
+    """Token id -> the text vLLM reports for it (`decoded_token`, the OpenAI `tokens`), and the two
+    constant pieces of its `prompt_logprobs` entry: the key (`"<id>":{"logprob":`) and the tail with
+    its `decoded_token`, made once per id and kept (a table the size of the ids seen, at most the
+    vocabulary).
+
+    The text is vLLM's: the id decoded alone, with the leading spaces a SentencePiece piece carries
+    put back; an id whose text ends in U+FFFD (part of a character split across tokens) is decoded
+    again in its sequence's context (`in_context`), as vLLM does, and is "" when that character is
+    still unfinished."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._marker = _space_marker(tokenizer) if tokenizer is not None else None
+        self._texts = np.zeros(0, dtype=object)
         self._keys = np.zeros(0, dtype=object)
         self._tails = np.zeros(0, dtype=object)
+        self._quoted = np.zeros(0, dtype=object)
         self._known = np.zeros(0, dtype=bool)
+        self._partial = np.zeros(0, dtype=bool)
         self._lock = threading.Lock()  # answers are built on worker threads too
 
     def __len__(self) -> int:
         """Ids decoded so far."""
         return int(self._known.sum())
+
+    def _decode_alone(self, token: int) -> str:
+        if self._tokenizer is None:
+            return ""
+        text = self._tokenizer.decode([token]) or ""
+        if self._marker is None:
+            return text
+        piece = self._tokenizer.convert_ids_to_tokens([token])[0] or ""
+        markers = len(piece) - len(piece.lstrip(self._marker))
+        missing = markers - (len(text) - len(text.lstrip(" ")))
+        return " " * missing + text if missing > 0 else text
 
     def pieces(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The key and tail pieces of `ids` (object arrays of ids' shape)."""
@@ -68,18 +111,77 @@ class TokenText:
             self._learn(ids)
             return self._keys[ids], self._tails[ids]
 
+    def texts(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Each id's text alone, the same as JSON, and whether it is part of a split character
+        (then `in_context` gives the text vLLM reports)."""
+        with self._lock:
+            self._learn(ids)
+            return self._texts[ids], self._quoted[ids], self._partial[ids]
+
+    def in_context(self, token: int, context: Sequence[int]) -> str:
+        """The text of a partial `token` after the actual tokens `context` (oldest first, at most
+        the last four are read): the character it finishes with the byte pieces before it, or ""
+        while that character is unfinished (vLLM's rule for split characters)."""
+        tokenizer, context = self._tokenizer, list(context)[-_CONTEXT_TOKENS:]
+        for size in range(1, len(context) + 1):
+            before = context[-size:]
+            whole = tokenizer.decode([*before, token])
+            if whole.endswith(REPLACEMENT):
+                continue
+            clean = len(before)
+            while clean > 0 and tokenizer.decode([before[clean - 1]]).endswith(REPLACEMENT):
+                clean -= 1
+            prefix = tokenizer.decode(before[:clean]) if clean else ""
+            if whole.startswith(prefix):
+                return whole[len(prefix):]
+            common = next((i for i, (a, b) in enumerate(zip(prefix, whole, strict=False)) if a != b),
+                          min(len(prefix), len(whole)))
+            return whole[common:]
+        return ""
+
     def _learn(self, ids: np.ndarray) -> None:
         top = int(ids.max(initial=-1)) + 1
         if top > self._known.shape[0]:
             grow = top - self._known.shape[0]
+            self._texts = np.concatenate([self._texts, np.full(grow, "", dtype=object)])
             self._keys = np.concatenate([self._keys, np.full(grow, "", dtype=object)])
             self._tails = np.concatenate([self._tails, np.full(grow, "", dtype=object)])
+            self._quoted = np.concatenate([self._quoted, np.full(grow, "", dtype=object)])
             self._known = np.concatenate([self._known, np.zeros(grow, dtype=bool)])
+            self._partial = np.concatenate([self._partial, np.zeros(grow, dtype=bool)])
         missing = np.unique(ids[~self._known[ids]]) if ids.size else ids
         for token in missing.tolist():
+            text = self._decode_alone(token)
+            self._texts[token] = text
+            self._partial[token] = text.endswith(REPLACEMENT)
             self._keys[token] = f'"{token}":{{"logprob":'
-            self._tails[token] = f',"decoded_token":{json.dumps(self._decode(token))}}}'
+            self._quoted[token] = json.dumps(text)
+            self._tails[token] = f',"decoded_token":{self._quoted[token]}}}'
         self._known[missing] = True
+
+
+def prompt_contexts(ids: np.ndarray, positions: np.ndarray) -> list[list[int]]:
+    """The actual tokens vLLM reads as context for the prompt positions given: those before each,
+    back to four, never position 0 (it has no log-prob entry, so vLLM never counts it)."""
+    return [ids[max(1, p - _CONTEXT_TOKENS):p].tolist() for p in positions.tolist()]
+
+
+def vllm_token_texts(tokens: np.ndarray, ids: np.ndarray | None, text: TokenText, *,
+                     first_position: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """vLLM's text of each candidate in `tokens` [rows, n], the same as JSON, and which were read
+    in context: row r is prompt position `first_position` + r of `ids` (None: a generated token,
+    read with no context), each id alone, the split-character ones in their position's context
+    (rare, so one at a time)."""
+    texts, quoted, partial = text.texts(tokens)
+    if partial.any():
+        texts, quoted = texts.copy(), quoted.copy()
+        rows, cols = np.nonzero(partial)
+        contexts = (prompt_contexts(np.asarray(ids), rows + first_position) if ids is not None
+                    else [[]] * rows.shape[0])
+        for row, col, context in zip(rows.tolist(), cols.tolist(), contexts, strict=True):
+            texts[row, col] = text.in_context(int(tokens[row, col]), context)
+            quoted[row, col] = json.dumps(texts[row, col])
+    return texts, quoted, partial
 
 
 def prompt_logprobs_json(ids: np.ndarray, logprobs: np.ndarray, ranks: np.ndarray | None,
@@ -111,6 +213,9 @@ def prompt_logprobs_json(ids: np.ndarray, logprobs: np.ndarray, ranks: np.ndarra
     for start in range(0, rows, _ROWS_PER_PIECE):
         stop = min(rows, start + _ROWS_PER_PIECE)
         keys, tails = text.pieces(tokens[start:stop])
+        _, quoted, split = vllm_token_texts(tokens[start:stop], ids, text, first_position=start + 1)
+        if split.any():  # a character split across tokens: its decoded_token read in context
+            tails = np.where(split, ',"decoded_token":' + quoted + "}", tails)
         entry = np.empty((stop - start, k + 1, 5), dtype=object)
         entry[:, :, 0] = ","
         entry[:, 0, 0] = "},{"
@@ -122,28 +227,184 @@ def prompt_logprobs_json(ids: np.ndarray, logprobs: np.ndarray, ranks: np.ndarra
     return "[null," + "".join(out)[2:] + "}]"
 
 
+# vLLM writes -inf log-probs in its OpenAI `logprobs` as this (JSON has no infinity).
+_FLOOR = -9999.0
+
+
+@dataclass(frozen=True)
+class CompletionForm:
+    """What a `/v1/completions` call asks of every choice: `prompt_topk`, the K of its
+    `prompt_logprobs` (None: null); `logprobs`, the N of OpenAI's `logprobs` object (None: null);
+    `echo`, the prompt in `text` and in `logprobs`; `generates`, the teacher's greedy next token
+    appended (max_tokens 1 at temperature 0). The engine scores one extra row for it, the
+    distribution after the prompt (`CompletionForm.scored_ids`)."""
+
+    prompt_topk: int | None
+    logprobs: int | None
+    echo: bool
+    generates: bool
+
+    @property
+    def engine_topk(self) -> int:
+        """The top-K the engine is asked for: the widest any part of the answer reads."""
+        return max(self.prompt_topk or 0, self.logprobs or 0, 1 if self.generates else 0)
+
+    def scored_ids(self, prompt: list[int]) -> list[int]:
+        """The ids the engine scores: the prompt, and with `generates` one more (any id: only the
+        distribution before it is read, and a causal model's earlier rows do not see it)."""
+        return [*prompt, prompt[-1]] if self.generates else prompt
+
+
+@dataclass(frozen=True)
+class _Steps:
+    """Log-prob steps as OpenAI's `logprobs` reads them: per row the actual token, its log-prob,
+    and the candidates of vLLM's step dict (actual first, then the top-K), all [R] / [R, 1 + K]."""
+
+    actual: np.ndarray
+    values: np.ndarray
+    candidates: np.ndarray
+    candidate_values: np.ndarray
+    keep: np.ndarray
+
+
+def _steps(actual: np.ndarray, logprobs: np.ndarray, topk_ids: np.ndarray, topk_logprobs: np.ndarray,
+           n: int) -> _Steps:
+    """vLLM's step dicts cut to OpenAI's `top_logprobs`: the actual token, then the top-K without
+    it (a dict by id keeps it once), the first N + 1 items kept."""
+    rows, k = topk_ids.shape
+    candidates = np.empty((rows, k + 1), dtype=np.int64)
+    candidates[:, 0], candidates[:, 1:] = actual, topk_ids
+    values = np.empty((rows, k + 1), dtype=np.float32)
+    values[:, 0], values[:, 1:] = logprobs, topk_logprobs
+    keep = np.ones((rows, k + 1), dtype=bool)
+    keep[:, 1:] = topk_ids != actual[:, None]
+    keep &= np.cumsum(keep, axis=1) <= n + 1
+    return _Steps(actual, logprobs, candidates, values, keep)
+
+
+def _clamped_texts(values: np.ndarray) -> np.ndarray:
+    return _float_texts(np.maximum(values.astype(np.float32), np.float32(_FLOOR)))
+
+
+def _top_dicts(steps: _Steps, ids: np.ndarray | None, text: TokenText) -> tuple[list[str], np.ndarray]:
+    """Each step's `top_logprobs` dict as JSON text, and the actual tokens' texts: keys are the
+    candidates' texts, so two ids of one text are one key, at its first place with the last value
+    (a dict's rule; rare, those rows are built as dicts)."""
+    texts, quoted, _ = vllm_token_texts(steps.candidates, ids, text)
+    entries = quoted + ":" + _clamped_texts(steps.candidate_values)
+    kept = texts[steps.keep]
+    if kept.size:
+        _, codes = np.unique(kept.astype(str), return_inverse=True)
+        grid = np.full(steps.keep.shape, -1, dtype=np.int64)
+        grid[steps.keep] = codes
+        ordered = np.sort(grid, axis=1)
+        clash = ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any(axis=1)
+    else:
+        clash = np.zeros(steps.keep.shape[0], dtype=bool)
+    rows: list[str] = []
+    for row in range(steps.keep.shape[0]):
+        if clash[row]:
+            merged = {str(t): max(float(v), _FLOOR) for t, v in
+                      zip(texts[row][steps.keep[row]], steps.candidate_values[row][steps.keep[row]], strict=True)}
+            rows.append(json.dumps(merged, separators=(",", ":")))
+        else:
+            rows.append("{" + ",".join(entries[row][steps.keep[row]].tolist()) + "}")
+    return rows, texts[:, 0]
+
+
+def openai_logprobs_json(first_text: str | None, prompt: _Steps | None, prompt_ids: np.ndarray | None,
+                         generated: _Steps | None, text: TokenText) -> str:
+    """OpenAI's completion `logprobs` object as vLLM writes it: `tokens`, `token_logprobs` and
+    `top_logprobs` over the echoed prompt (its first token with no log-prob: null) and the
+    generated token, and `text_offset`, each token's start in the text they spell."""
+    tokens: list[str] = [] if first_text is None else [first_text]
+    values: list[str] = [] if first_text is None else ["null"]
+    tops: list[str] = [] if first_text is None else ["null"]
+    for steps, ids in ((prompt, prompt_ids), (generated, None)):
+        if steps is None:
+            continue
+        rows, actual_texts = _top_dicts(steps, ids, text)
+        tokens += actual_texts.tolist()
+        values += _clamped_texts(steps.values).tolist()
+        tops += rows
+    offsets = np.concatenate([[0], np.cumsum([len(token) for token in tokens])[:-1]]).astype(np.int64) \
+        if tokens else np.zeros(0, dtype=np.int64)
+    return (f'{{"text_offset":{_dumps(offsets.tolist())},"token_logprobs":[{",".join(values)}],'
+            f'"tokens":{json.dumps(tokens)},"top_logprobs":[{",".join(tops)}]}}')
+
+
 def _dumps(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"))
 
 
+def _rows(values: Any, stop: int) -> np.ndarray | None:
+    """A result's first `stop` rows as numpy (None where the engine gave none)."""
+    return None if values is None else values.numpy()[:stop]
+
+
+def _generated_text(prompt: list[int], token: int, tokenizer: Any) -> str:
+    """The text vLLM's detokenizer adds for a generated `token` after `prompt`: read in the
+    prompt's last tokens' context, special tokens skipped (a completion's default), "" while a
+    split character is unfinished (it is held back until its last byte)."""
+    if tokenizer is None:
+        return ""
+    context = prompt[-6:]
+    before = tokenizer.decode(context, skip_special_tokens=True)
+    whole = tokenizer.decode([*context, token], skip_special_tokens=True)
+    added = whole[len(before):] if whole.startswith(before) else whole
+    return "" if added.endswith(REPLACEMENT) else added
+
+
+def _choice(index: int, ids: list[int], score: ScoredRequest, form: CompletionForm, *, echo_text: str,
+            tokenizer: Any, text: TokenText) -> str:
+    """One choice of the answer, as vLLM writes it."""
+    result, size = score.result, len(ids)
+    prompt_rows = size - 1  # the result's rows 1..T-1; with `generates`, row T follows
+    logprobs, ranks = _rows(result.logprobs, prompt_rows), _rows(result.ranks, prompt_rows)
+    topk_ids, topk_lps = _rows(result.topk_ids, prompt_rows), _rows(result.topk_logprobs, prompt_rows)
+    if topk_ids is None:  # no top-K asked of the engine (logprobs 0 on an echoed prompt)
+        topk_ids, topk_lps = np.zeros((prompt_rows, 0), dtype=np.int64), np.zeros((prompt_rows, 0), dtype=np.float32)
+    array = np.asarray(ids, dtype=np.int64)
+    generated, gen_text, gen_steps = None, "", None
+    if form.generates:
+        top_ids, top_lps = result.topk_ids.numpy()[prompt_rows], result.topk_logprobs.numpy()[prompt_rows]
+        generated = int(top_ids[0])
+        gen_text = _generated_text(ids, generated, tokenizer)
+        if form.logprobs is not None:
+            n = form.logprobs
+            gen_steps = _steps(top_ids[:1].astype(np.int64), top_lps[:1], top_ids[None, :n], top_lps[None, :n], n)
+    prompt_json = "null"
+    if form.prompt_topk is not None:
+        k = form.prompt_topk
+        prompt_json = prompt_logprobs_json(array, logprobs, ranks, topk_ids[:, :k] if k else None,
+                                           topk_lps[:, :k] if k else None, text)
+    logprobs_json = "null"
+    if form.logprobs is not None:
+        prompt_steps, first = None, None
+        if form.echo:
+            k = form.prompt_topk or 0
+            prompt_steps = _steps(array[1:], logprobs, topk_ids[:, :k], topk_lps[:, :k], form.logprobs)
+            first = tokenizer.decode(ids[0]) if tokenizer is not None else ""
+        logprobs_json = openai_logprobs_json(first, prompt_steps, array, gen_steps, text)
+    head = {"index": index, "text": (echo_text if form.echo else "") + gen_text}
+    tail = {"finish_reason": "length", "stop_reason": None}
+    return (f'{_dumps(head)[:-1]},"logprobs":{logprobs_json},{_dumps(tail)[1:-1]},'
+            f'"prompt_logprobs":{prompt_json},"prompt_token_ids":{_dumps(ids)}}}')
+
+
 def completion_answer(prompts: Sequence[list[int]], scored: Sequence[ScoredRequest], *, model: str,
-                      echo: Callable[[list[int]], str] | None, text: TokenText) -> bytes:
-    """The whole `/v1/completions` answer, serialised, as vLLM shapes it; the prompt log-probs are
-    written column-wise (`prompt_logprobs_json`), the rest by `json.dumps`. With `echo` each
-    choice's `text` is its prompt decoded (here too, so that a large answer's decoding is off
-    the loop with the rest)."""
+                      form: CompletionForm, tokenizer: Any, text: TokenText) -> bytes:
+    """The whole `/v1/completions` answer, serialised, as vLLM shapes it: per choice the prompt
+    log-probs written column-wise (`prompt_logprobs_json`), OpenAI's `logprobs` (`openai_logprobs_json`)
+    and the greedy token where the call generates one; the rest by `json.dumps`. With `echo` each
+    choice's `text` starts with its prompt decoded (here too, so that a large answer's decoding is
+    off the loop with the rest)."""
     choices = []
     for index, (ids, score) in enumerate(zip(prompts, scored, strict=True)):
-        head = {"index": index, "text": echo(ids) if echo is not None else "", "logprobs": None,
-                "finish_reason": "length", "stop_reason": None}
-        result = score.result
-        rows = prompt_logprobs_json(
-            np.asarray(ids, dtype=np.int64), result.logprobs.numpy(),
-            None if result.ranks is None else result.ranks.numpy(),
-            None if result.topk_ids is None else result.topk_ids.numpy(),
-            None if result.topk_logprobs is None else result.topk_logprobs.numpy(), text)
-        choices.append(f'{_dumps(head)[:-1]},"prompt_logprobs":{rows},"prompt_token_ids":{_dumps(ids)}}}')
+        echo_text = tokenizer.decode(ids) if form.echo and tokenizer is not None else ""
+        choices.append(_choice(index, ids, score, form, echo_text=echo_text, tokenizer=tokenizer, text=text))
     tokens = sum(len(ids) for ids in prompts)
+    generated = len(prompts) if form.generates else 0
     top = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": model}
-    usage = {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}
+    usage = {"prompt_tokens": tokens, "total_tokens": tokens + generated, "completion_tokens": generated}
     return f'{_dumps(top)[:-1]},"choices":[{",".join(choices)}],"usage":{_dumps(usage)}}}'.encode()

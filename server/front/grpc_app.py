@@ -18,6 +18,7 @@ from grpc_health.v1.health import aio as health_aio
 from proctor.proto import scoring_pb2, scoring_pb2_grpc
 from proctor.proto.wire import GRPC_PUSHBACK_KEY, GRPC_RETRY_AFTER_KEY
 from proctor.server.common.errors import ScoringError, invalid
+from proctor.server.common.metrics import SURFACE
 from proctor.server.front.auth import TokenAuth
 from proctor.server.front.responses import Responses
 from proctor.server.front.service import ScoringService
@@ -115,6 +116,7 @@ class TeacherScoringServicer(scoring_pb2_grpc.TeacherScoringServicer):
         self.responses = responses
 
     async def Score(self, request, context):
+        SURFACE.set("grpc")  # this call's task alone: each gRPC call runs in its own
         try:
             scored = await self.service.score(request, timeout=_deadline(context), unary=True)
         except ScoringError as error:
@@ -122,6 +124,7 @@ class TeacherScoringServicer(scoring_pb2_grpc.TeacherScoringServicer):
         return self.responses.protobuf(scored)
 
     async def ScoreStream(self, request, context) -> AsyncIterator[bytes]:
+        SURFACE.set("grpc")
         try:
             scored = await self.service.score(request, timeout=_deadline(context), unary=False)
         except ScoringError as error:

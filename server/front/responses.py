@@ -18,14 +18,15 @@ from __future__ import annotations
 import base64
 import json
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
+from typing import Any
 
 import torch
 
 from proctor.proto import dtype_name, iter_row_chunks, rows_per_chunk, scoring_pb2
 from proctor.server.common.metrics import MetricsSink
-from proctor.server.front.completion_json import TokenText, completion_answer
+from proctor.server.front.completion_json import CompletionForm, TokenText, completion_answer
 from proctor.server.front.service import ScoredRequest
 from proctor.server.worker.wire import EncodedResult, RawRows, encode_result
 
@@ -259,11 +260,11 @@ class Responses:
         return sum(len(ids) * (topk + 1) for ids in prompts) > COMPLETION_INLINE_CELLS
 
     def completion(self, prompts: Sequence[list[int]], scored: Sequence[ScoredRequest], *, model: str,
-                   echo: Callable[[list[int]], str] | None, text: TokenText) -> bytes:
-        """vLLM's `/v1/completions` answer for prompts scored together (`completion_answer`);
-        `echo` decodes a prompt into its choice's `text`, `text` is the teacher's `decoded_token`
-        table."""
-        payload = completion_answer(prompts, scored, model=model, echo=echo, text=text)
+                   form: CompletionForm, tokenizer: Any, text: TokenText) -> bytes:
+        """vLLM's `/v1/completions` answer for prompts scored together (`completion_answer`) in the
+        call's `form`; `tokenizer` decodes echoed prompts and generated tokens, `text` is the
+        teacher's `decoded_token` table."""
+        payload = completion_answer(prompts, scored, model=model, form=form, tokenizer=tokenizer, text=text)
         self.metrics.response_sent(scored[0].teacher, scored[0].mode, len(payload))
         return payload
 

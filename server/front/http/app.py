@@ -23,6 +23,8 @@ from proctor.server.front.http.completions_serving import CompletionsServing
 from proctor.server.front.http.errors import error_response
 from proctor.server.front.http.router import Serving, router
 from proctor.server.front.http.score_serving import ScoreServing
+from proctor.server.front.http.teacher_paths import TeacherPaths
+from proctor.server.front.http.tokenize_serving import TokenizeServing
 from proctor.server.front.responses import Responses
 from proctor.server.front.service import ScoringService
 from proctor.server.front.settings import ServerOptions
@@ -61,11 +63,14 @@ def create_app(
     app = FastAPI(title="proctor", version="1", summary="Teacher scoring for on-policy distillation")
     if auth.enabled:
         app.add_middleware(BearerTokenMiddleware, auth=auth, open_paths=options.open_paths)
+    app.add_middleware(TeacherPaths)  # added last, so outermost: the token check sees the path unprefixed
     limit = options.max_message_bytes
+    completions = CompletionsServing(service, responses, max_body_bytes=limit)
     app.state.serving = Serving(
         service,
         ScoreServing(service, responses, max_body_bytes=limit),
-        CompletionsServing(service, responses, max_body_bytes=limit),
+        completions,
+        TokenizeServing(service, completions.tokenizers, max_body_bytes=limit),
     )
     app.include_router(router)
     return app

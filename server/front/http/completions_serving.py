@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
 from proctor.proto import scoring_pb2
 from proctor.server.common.errors import ScoringError, invalid
@@ -30,10 +29,11 @@ from proctor.server.front.http.cancellation import ClientGone, cancel_on_disconn
 from proctor.server.front.http.errors import openai_error
 from proctor.server.front.http.openai_compat import CompletionBody
 from proctor.server.front.http.request import INLINE_BODY_BYTES, read_body, request_timeout
+from proctor.server.front.http.teacher_paths import path_key, routing_key
 from proctor.server.front.http.teacher_tokenizers import Tokenizers
 from proctor.server.front.ids import extend_ids
 from proctor.server.front.responses import Responses
-from proctor.server.front.service import ScoredRequest, ScoringService
+from proctor.server.front.service import ScoredRequest, ScoringService, ServiceState
 
 
 @dataclass(frozen=True)
@@ -45,21 +45,20 @@ class Built:
     messages: list[scoring_pb2.ScoreRequest]
 
 
-def _template(ask: CompletionBody) -> scoring_pb2.ScoreRequest:
-    """What every prompt of the call asks for, without its ids."""
-    message = scoring_pb2.ScoreRequest(teacher_key=ask.model, logprobs=True, topk=ask.topk,
-                                       cache_salt=ask.cache_salt or "")
-    if ask.temperature is not None:
-        message.temperature = ask.temperature
+def _template(ask: CompletionBody, key: str) -> scoring_pb2.ScoreRequest:
+    """What every prompt of the call asks for, without its ids (`key`: the teacher's, `routing_key`)."""
+    message = scoring_pb2.ScoreRequest(teacher_key=key, logprobs=True, topk=ask.topk, cache_salt=ask.cache_salt or "")
+    if ask.scoring_temperature is not None:
+        message.temperature = ask.scoring_temperature
     return message
 
 
-def build_requests(ask: CompletionBody, teacher_name: str, tokenizer: Any) -> Built:
-    """Text prompts tokenized, and one ScoreRequest per prompt: the work that grows with the
-    body, done off the loop for a large body."""
+def build_requests(ask: CompletionBody, template: scoring_pb2.ScoreRequest, teacher_name: str, tokenizer: Any) -> Built:
+    """Text prompts tokenized, and one ScoreRequest per prompt (its ids as `CompletionForm.scored_ids`
+    says): the work that grows with the body, done off the loop for a large body."""
     prompts: list[list[int]] = []
     messages = []
-    template = _template(ask)
+    form = ask.form
     for index, prompt in enumerate(ask.prompts):
         if isinstance(prompt, str):
             if tokenizer is None:
@@ -68,7 +67,7 @@ def build_requests(ask: CompletionBody, teacher_name: str, tokenizer: Any) -> Bu
             prompt = list(tokenizer.encode(prompt))
         message = scoring_pb2.ScoreRequest()
         message.CopyFrom(template)
-        extend_ids(message.token_ids, prompt)
+        extend_ids(message.token_ids, form.scored_ids(prompt))
         prompts.append(prompt)
         messages.append(message)
     return Built(prompts, messages)
@@ -115,12 +114,31 @@ class CompletionsServing:
         self.max_body_bytes = max_body_bytes
         self.tokenizers = Tokenizers()
 
-    def models(self) -> dict[str, Any]:
-        """One entry per teacher, as vLLM lists its model (id: the teacher's key)."""
+    def _path_teacher(self, request: Request) -> str | None:
+        """The teacher's name where the call came under `/teachers/{key}/` (None: every teacher)."""
+        key = path_key(request.scope.get("state"))
+        return None if key is None else self.service.router.route(key).name
+
+    def models(self, request: Request) -> Response:
+        """One entry per teacher (the base path's alone), as vLLM lists its model (id: the teacher's key)."""
+        try:
+            only = self._path_teacher(request)
+        except ScoringError as error:
+            return openai_error(error)
         data = [{"id": info.keys[0], "object": "model", "created": int(time.time()), "owned_by": "proctor",
                  "root": info.model or info.name, "parent": None, "max_model_len": info.max_model_len or None,
-                 "permission": []} for info in self.service.teacher_infos()]
-        return {"object": "list", "data": data}
+                 "permission": []} for info in self.service.teacher_infos() if only in (None, info.name)]
+        return JSONResponse({"object": "list", "data": data})
+
+    def ready(self, request: Request) -> bool:
+        """vLLM's `/health`: the server scores (under a base path: that teacher has a replica in service)."""
+        try:
+            only = self._path_teacher(request)
+        except ScoringError:
+            return False
+        if only is None:
+            return self.service.ready()
+        return self.service.state is ServiceState.SERVING and self.service.router.teachers[only].in_service()
 
     async def complete(self, request: Request) -> Response:
         """Read, check, score and answer one completions call; a client that leaves before its
@@ -132,21 +150,25 @@ class CompletionsServing:
             return openai_error(error)
         except ClientGone:
             return client_gone()
-        echo: Callable[[list[int]], str] | None = None
-        if call.ask.echo and call.tokenizer is not None:
-            echo = call.tokenizer.decode
-        large = self.responses.completion_is_large(call.prompts, call.ask.topk) or echo is not None
+        form = call.ask.form
+        large = (self.responses.completion_is_large(call.prompts, call.ask.topk) or form.echo
+                 or form.logprobs is not None)
         text = self.tokenizers.token_text(call.teacher_set, call.tokenizer)
         payload = await off_loop_if(large, partial(self.responses.completion, model=call.ask.model or call.teacher_set.keys[0],
-                                                   echo=echo, text=text), call.prompts, call.scored)
+                                                   form=form, tokenizer=call.tokenizer, text=text),
+                                    call.prompts, call.scored)
         return Response(payload, media_type="application/json")
 
     async def _score(self, request: Request, raw: bytes) -> _Scored:
         large = len(raw) > INLINE_BODY_BYTES
         ask = await off_loop_if(large, _parse, raw)
-        teacher_set = self.service.route(_template(ask))
+        template = _template(ask, routing_key(self.service.router, path_key(request.scope.get("state")), ask.model, "model"))
+        teacher_set = self.service.route(template)
         tokenizer = await self.tokenizers.tokenizer(teacher_set)
+        if ask.logprobs is not None and tokenizer is None:
+            raise invalid("logprobs", f"teacher {teacher_set.name!r} has no tokenizer here, so its tokens have no "
+                          "text for OpenAI's logprobs: ask prompt_logprobs instead")
         texts = any(isinstance(prompt, str) for prompt in ask.prompts)
-        built = await off_loop_if(large or texts, build_requests, ask, teacher_set.name, tokenizer)
+        built = await off_loop_if(large or texts, build_requests, ask, template, teacher_set.name, tokenizer)
         scored = await score_all(self.service, teacher_set, built.messages, request_timeout(request))
         return _Scored(ask, teacher_set, tokenizer, built.prompts, scored)

@@ -219,6 +219,19 @@ def json_temperature(value: Any) -> float | None:
     return float(value)
 
 
+def is_greedy(temperature: float | None) -> bool:
+    """Whether a generating surface's temperature (vLLM's, SGLang's, OpenAI's) asks for greedy
+    decoding: 0 there means greedy, and those servers' prompt log-probs are then the raw ones, so
+    0 is taken as "score at 1, generate greedily"; any other value is the scoring temperature,
+    checked by `front.validation` like every other (`scoring_temperature`)."""
+    return temperature == 0.0
+
+
+def scoring_temperature(temperature: float | None) -> float | None:
+    """The temperature to score at for a generating surface's value: none (1) for greedy."""
+    return None if temperature is None or is_greedy(temperature) else temperature
+
+
 def _score_ids(rows: list | None) -> scoring_pb2.Tensor | None:
     """score_ids as R lists of ids (ragged allowed) -> int32 [R, K] with -1 padding, the wire form."""
     if rows is None:

@@ -12,12 +12,16 @@ Only what scoring means is served, each field exactly as vLLM answers it (the an
 by `Responses.completion`): `choices[i].prompt_logprobs` is `null` at position 0, then per
 position a dict `{"<token id>": {"logprob", "rank", "decoded_token"}}` with the top-K (ranks
 1..K) and the actual token at its true rank (the engine's), `choices[i].prompt_token_ids`,
-`usage`. `temperature` divides the teacher's logits before the log-softmax (the service refuses
-T != 1 on an engine that cannot). Nothing is generated: `text` is "" (the decoded prompt with
-`echo`), no completion tokens. Anything else of the completions API (sampling controls,
-`max_tokens` > 1, streaming, `n` > 1, completion `logprobs`, text prompts for a teacher without
-a tokenizer) is refused with a 400 naming the parameter, never half-served; errors take OpenAI's
-shape (`http.errors.openai_error`).
+`usage`. Evaluation harnesses (lm-eval's `local-completions`, lighteval) ask instead for
+OpenAI's `echo` + `logprobs: N`: `choices[i].logprobs` then holds `tokens`, `token_logprobs`
+(null first), `top_logprobs` (null first, then token text -> log-prob) and `text_offset` over the
+prompt, and with `max_tokens: 1` at `temperature: 0` the teacher's greedy next token is appended
+to them and to `text`, as vLLM appends it (`completion_json.CompletionForm`). Temperature 0 is
+greedy with raw log-probs, as vLLM takes it; any other temperature divides the teacher's logits
+before the log-softmax (the service refuses T != 1 on an engine that cannot) and generates
+nothing. Anything else of the completions API (sampling controls, `max_tokens` > 1, streaming,
+`n` > 1, a sampled token, text prompts for a teacher without a tokenizer) is refused with a 400
+naming the parameter, never half-served; errors take OpenAI's shape (`http.errors.openai_error`).
 
 This module is that contract's request: `CompletionBody`, one pydantic model whose fields are
 the parameters served, those accepted at their neutral value only, and those ignored, so that
@@ -32,7 +36,17 @@ from typing import Annotated, Any
 from pydantic import PrivateAttr, ValidationInfo, model_validator
 
 from proctor.server.common.errors import invalid
-from proctor.server.front.http.models import ABSENT, Int32, WireModel, checked, json_temperature, required
+from proctor.server.front.completion_json import CompletionForm
+from proctor.server.front.http.models import (
+    ABSENT,
+    Int32,
+    WireModel,
+    checked,
+    is_greedy,
+    json_temperature,
+    required,
+    scoring_temperature,
+)
 from proctor.server.front.ids import int32_ids
 
 _NOT_SCORING = "is not supported: this server scores prompts (prompt_logprobs) and generates nothing"
@@ -90,12 +104,17 @@ def _max_tokens(value: Any, info: ValidationInfo) -> int:
     return value
 
 
-def _prompt_logprobs(value: Any) -> int:
-    if value is None or value is ABSENT:
-        raise invalid("prompt_logprobs", "is required: this server answers prompt log-probs only")
-    if not _is_int(value) or value < 0:
-        raise invalid("prompt_logprobs", f"is {value!r}; it must be an integer >= 0")
-    return value
+def _count(field: str) -> Any:
+    """A log-prob count (`prompt_logprobs` K, `logprobs` N): absent, null or an integer >= 0."""
+
+    def check(value: Any) -> int | None:
+        if value is None:
+            return None
+        if not _is_int(value) or value < 0:
+            raise invalid(field, f"is {value!r}; it must be an integer >= 0")
+        return value
+
+    return check
 
 
 def _ids(prompt: list, field: str) -> list[int]:
@@ -136,7 +155,9 @@ class CompletionBody(WireModel):
     prompt: Annotated[Any, checked(_prompt_given, _Prompt)] = required("token ids, lists of them, or text")
     echo: Annotated[bool, checked(_echo, bool)] = False
     max_tokens: Annotated[int, checked(_max_tokens, int)] = required("1 (or 0 with echo)")
-    prompt_logprobs: Annotated[int, checked(_prompt_logprobs, int)] = required("K: the top-K per position")
+    prompt_logprobs: Annotated[int | None, checked(_count("prompt_logprobs"), int | None)] = None
+    logprobs: Annotated[int | None, checked(_count("logprobs"), int | None)] = None
+    # 0: greedy, raw log-probs (`models.is_greedy`); else the temperature scores are divided by.
     temperature: Annotated[float | None, checked(json_temperature, float | None)] = None
     cache_salt: str | None = None  # vLLM's: scopes prompt reuse (ScoreRequest.cache_salt)
     # Accepted at their neutral value only.
@@ -144,7 +165,6 @@ class CompletionBody(WireModel):
     best_of: _neutral(int, 1) = None
     stream: _neutral(bool, False) = None
     stream_options: _neutral(dict[str, Any]) = None
-    logprobs: _neutral(int) = None
     top_p: _neutral(float, 1, 1.0) = None
     top_k: _neutral(int, 0, -1) = None
     min_p: _neutral(float, 0, 0.0) = None
@@ -183,6 +203,14 @@ class CompletionBody(WireModel):
 
     @model_validator(mode="after")
     def _prompt_forms(self) -> CompletionBody:
+        generates = self.max_tokens == 1 and is_greedy(self.temperature)
+        if self.max_tokens == 1 and self.logprobs is not None and not generates:
+            raise invalid("temperature", f"is {self.temperature!r}; logprobs with max_tokens 1 asks for a generated "
+                          "token, and this server generates greedily only: send temperature 0 (or echo with "
+                          "max_tokens 0)")
+        if self.prompt_logprobs is None and self.logprobs is None and not generates:
+            raise invalid("prompt_logprobs", "is required: send prompt_logprobs K, logprobs N with echo, or "
+                          "temperature 0 for the greedy next token")
         self._parsed = _prompts(self.prompt)
         return self
 
@@ -192,5 +220,17 @@ class CompletionBody(WireModel):
         return self._parsed
 
     @property
+    def form(self) -> CompletionForm:
+        """What each choice of the answer holds (`completion_json.CompletionForm`)."""
+        prompt_topk = self.prompt_logprobs if self.prompt_logprobs is not None else (
+            self.logprobs if self.echo else None)  # vLLM's rule: echo + logprobs scores the prompt at N
+        return CompletionForm(prompt_topk=prompt_topk, logprobs=self.logprobs, echo=self.echo,
+                              generates=self.max_tokens == 1 and is_greedy(self.temperature))
+
+    @property
     def topk(self) -> int:
-        return self.prompt_logprobs
+        return self.form.engine_topk
+
+    @property
+    def scoring_temperature(self) -> float | None:
+        return scoring_temperature(self.temperature)

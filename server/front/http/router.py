@@ -18,6 +18,7 @@ from proctor.server.front.fleet.replicas import ReplicaState
 from proctor.server.front.http.completions_serving import CompletionsServing
 from proctor.server.front.http.openai_compat import CompletionBody
 from proctor.server.front.http.score_serving import SCORE_OPENAPI, ScoreServing
+from proctor.server.front.http.tokenize_serving import TokenizeServing
 from proctor.server.front.service import ScoringService
 
 
@@ -28,6 +29,7 @@ class Serving:
     service: ScoringService
     score: ScoreServing
     completions: CompletionsServing
+    tokenize: TokenizeServing
 
 
 def _serving(request: Request) -> Serving:
@@ -53,7 +55,7 @@ async def score_stream(request: Request) -> Response:
 
 @router.get("/v1/unembedding", summary="The teacher's lm_head [V, H] as length-delimited TensorChunk messages of whole rows")
 async def unembedding(request: Request, teacher_key: str = "", projected: bool = False) -> Response:
-    return await _serving(request).score.unembedding(teacher_key, projected)
+    return await _serving(request).score.unembedding(request, teacher_key, projected)
 
 
 @router.get("/v1/teachers", summary="The teachers this server scores with, and its student tokenizers")
@@ -86,17 +88,32 @@ async def metrics(request: Request) -> Response:
 
 
 # vLLM's scoring surface over the same service.
-@router.get("/health", summary="vLLM's readiness probe: 200 when every teacher can score")
+@router.get("/health", summary="vLLM's readiness probe: 200 when every teacher (or the base path's) can score")
 async def health(request: Request) -> Response:
-    return Response(status_code=200 if _serving(request).service.ready() else 503)
+    return Response(status_code=200 if _serving(request).completions.ready(request) else 503)
 
 
-@router.get("/v1/models", summary="One entry per teacher, as vLLM lists its model (id: the teacher key)")
-async def models(request: Request) -> dict:
-    return _serving(request).completions.models()
+@router.get("/v1/models", summary="One entry per teacher (the base path's alone), as vLLM lists its model (id: the teacher key)")
+async def models(request: Request) -> Response:
+    return _serving(request).completions.models(request)
 
 
-@router.post("/v1/completions", summary="vLLM-compatible scoring: token-id prompts, max_tokens 1, prompt_logprobs",
+@router.post("/v1/completions", summary="vLLM-compatible scoring: prompt_logprobs, or echo + logprobs with the greedy next token",
              openapi_extra=CompletionBody.openapi_body())
 async def completions(request: Request) -> Response:
     return await _serving(request).completions.complete(request)
+
+
+@router.post("/tokenize", summary="vLLM's /tokenize: text (or chat messages) as the teacher's token ids")
+async def tokenize(request: Request) -> Response:
+    return await _serving(request).tokenize.tokenize(request)
+
+
+@router.post("/detokenize", summary="vLLM's /detokenize: the teacher's token ids as text")
+async def detokenize(request: Request) -> Response:
+    return await _serving(request).tokenize.detokenize(request)
+
+
+@router.get("/tokenizer_info", summary="vLLM's /tokenizer_info: the teacher's tokenizer settings and chat template")
+async def tokenizer_info(request: Request) -> Response:
+    return await _serving(request).tokenize.info(request)

@@ -31,6 +31,7 @@ from proctor.server.front.http.request import (
     read_body,
     request_timeout,
 )
+from proctor.server.front.http.teacher_paths import path_key, routing_key
 from proctor.server.front.responses import Responses
 from proctor.server.front.service import ScoredRequest, ScoringService
 
@@ -75,6 +76,8 @@ class ScoreServing:
 
     async def _decode_and_score(self, request: Request, raw: bytes, *, unary: bool) -> ScoredRequest:
         message = await off_loop_if(len(raw) > INLINE_BODY_BYTES, decode_body, raw, content_type(request))
+        message.teacher_key = routing_key(self.service.router, path_key(request.scope.get("state")),
+                                          message.teacher_key, "teacher_key")
         return await self.service.score(message, timeout=request_timeout(request), unary=unary)
 
     async def score(self, request: Request) -> Response:
@@ -96,9 +99,11 @@ class ScoreServing:
     def _stream(self, request: Request, scored: ScoredRequest) -> Response:
         return StreamingResponse((frame(chunk) for chunk in self.responses.chunks(scored)), media_type=STREAM_MEDIA_TYPE)
 
-    async def unembedding(self, teacher_key: str, projected: bool = False) -> Response:
+    async def unembedding(self, request: Request, teacher_key: str, projected: bool = False) -> Response:
         """The teacher's lm_head [V, H] (`projected`: W·P [V, r]) as length-delimited TensorChunks of whole rows."""
         try:
+            teacher_key = routing_key(self.service.router, path_key(request.scope.get("state")), teacher_key,
+                                      "teacher_key")
             weight, fingerprint = await self.service.unembedding(teacher_key, projected)
         except ScoringError as error:
             return error_response(error)

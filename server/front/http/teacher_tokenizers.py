@@ -61,10 +61,9 @@ class Tokenizers:
         return await asyncio.to_thread(self._get, teacher_set)
 
     def token_text(self, teacher_set: ReplicaSet, tokenizer: Any) -> TokenText:
-        """The teacher's `decoded_token` table: each id decoded alone, as vLLM reports it ("" without
-        a tokenizer)."""
+        """The teacher's `decoded_token` table: each id's text as vLLM reports it ("" without a
+        tokenizer)."""
         text = self._texts.get(teacher_set.name)
         if text is None:
-            text = self._texts[teacher_set.name] = TokenText(
-                lambda token: tokenizer.decode([token]) if tokenizer is not None else "")
+            text = self._texts[teacher_set.name] = TokenText(tokenizer)
         return text
