@@ -7,7 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from proctor.server.front.completion_json import TokenText, prompt_logprobs_json
+from proctor.server.front.completion_json import prompt_logprobs_json
+from proctor.server.front.token_text import TokenText
 
 
 def _dict_form(ids, logprobs, ranks, topk_ids, topk_logprobs, decode) -> list:

@@ -26,8 +26,9 @@ import torch
 
 from proctor.proto import dtype_name, iter_row_chunks, rows_per_chunk, scoring_pb2
 from proctor.server.common.metrics import MetricsSink
-from proctor.server.front.completion_json import CompletionForm, TokenText, completion_answer
+from proctor.server.front.completion_json import CompletionForm, completion_answer
 from proctor.server.front.service import ScoredRequest
+from proctor.server.front.token_text import TokenText
 from proctor.server.worker.wire import EncodedResult, RawRows, encode_result
 
 _LEN = 2  # protobuf's wire type of length-delimited fields

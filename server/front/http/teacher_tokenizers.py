@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from proctor.server.alignment.students import load_tokenizer
-from proctor.server.front.completion_json import TokenText
 from proctor.server.front.fleet.routing import ReplicaSet
+from proctor.server.front.token_text import TokenText
 
 log = logging.getLogger(__name__)
 
