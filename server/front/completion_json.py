@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 _ROWS_PER_PIECE = 256
 
 
-def _float_texts(values: np.ndarray) -> np.ndarray:
+def float_texts(values: np.ndarray) -> np.ndarray:
     """float32 values as json.dumps writes their float64 widening (an object array of str)."""
     wide = values.astype(np.float64).ravel()
     out = np.empty(wide.shape[0], dtype=object)
@@ -77,9 +77,17 @@ class TokenText:
             self._known = np.concatenate([self._known, np.zeros(grow, dtype=bool)])
         missing = np.unique(ids[~self._known[ids]]) if ids.size else ids
         for token in missing.tolist():
-            self._keys[token] = f'"{token}":{{"logprob":'
-            self._tails[token] = f',"decoded_token":{json.dumps(self._decode(token))}}}'
+            self._keys[token] = self.key_piece(token)
+            self._tails[token] = self.tail_piece(self._decode(token))
         self._known[missing] = True
+
+    def key_piece(self, token: int) -> str:
+        """The piece of an entry before its log-prob's text (a subclass writes another shape)."""
+        return f'"{token}":{{"logprob":'
+
+    def tail_piece(self, text: str) -> str:
+        """The piece of an entry after its rank, with the id's decoded text."""
+        return f',"decoded_token":{json.dumps(text)}}}'
 
 
 def prompt_logprobs_json(ids: np.ndarray, logprobs: np.ndarray, ranks: np.ndarray | None,
@@ -115,7 +123,7 @@ def prompt_logprobs_json(ids: np.ndarray, logprobs: np.ndarray, ranks: np.ndarra
         entry[:, :, 0] = ","
         entry[:, 0, 0] = "},{"
         entry[:, :, 1] = keys
-        entry[:, :, 2] = _float_texts(values[start:stop])
+        entry[:, :, 2] = float_texts(values[start:stop])
         entry[:, :, 3] = rank_pieces[start:stop]
         entry[:, :, 4] = tails
         out.append("".join(entry[keep[start:stop]].ravel().tolist()))
