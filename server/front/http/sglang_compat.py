@@ -422,9 +422,9 @@ def plan(item: GenerateItem, ids: list[int], *, teacher_key: str, mm_processor_k
         rows.append(1)
     if next_row:
         rows.append(count)
-    first_row = min(rows, default=total - 1)
+    first_row = min(rows, default=total - 1)  # asked nothing: the last row's log-prob, unread (SGLang answers all the same)
     message = scoring_pb2.ScoreRequest(
-        request_id=item.rid, teacher_key=teacher_key, prompt_length=first_row, logprobs=start is not None,
+        request_id=item.rid, teacher_key=teacher_key, prompt_length=first_row, logprobs=True,
         topk=max(item.top_logprobs_num if item.return_logprob else 0, item.sampling.max_new_tokens),
         hidden_states=bool(item.hidden_states), cache_salt=item.cache_salt, mm_processor_kwargs=mm_processor_kwargs)
     extend_ids(message.token_ids, ids)
