@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 _ROWS_PER_PIECE = 256
 
 
-def _float_texts(values: np.ndarray) -> np.ndarray:
+def float_texts(values: np.ndarray) -> np.ndarray:
     """float32 values as json.dumps writes their float64 widening (an object array of str)."""
     wide = values.astype(np.float64).ravel()
     out = np.empty(wide.shape[0], dtype=object)
@@ -88,7 +88,7 @@ def prompt_logprobs_json(ids: np.ndarray, logprobs: np.ndarray, ranks: np.ndarra
         entry[:, :, 0] = ","
         entry[:, 0, 0] = "},{"
         entry[:, :, 1] = keys
-        entry[:, :, 2] = _float_texts(values[start:stop])
+        entry[:, :, 2] = float_texts(values[start:stop])
         entry[:, :, 3] = rank_pieces[start:stop]
         entry[:, :, 4] = tails
         out.append("".join(entry[keep[start:stop]].ravel().tolist()))
@@ -151,7 +151,7 @@ def _steps(actual: np.ndarray, logprobs: np.ndarray, topk_ids: np.ndarray, topk_
 
 
 def _clamped_texts(values: np.ndarray) -> np.ndarray:
-    return _float_texts(np.maximum(values.astype(np.float32), np.float32(_FLOOR)))
+    return float_texts(np.maximum(values.astype(np.float32), np.float32(_FLOOR)))
 
 
 def _top_dicts(steps: _Steps, ids: np.ndarray | None, text: TokenText) -> tuple[list[str], np.ndarray]:

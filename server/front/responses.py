@@ -3,7 +3,8 @@
 Both transports (and the protobuf and JSON flavours of HTTP, and vLLM's `/v1/completions`) ask
 `Responses` for a unary answer's bytes, stream chunks' bytes or a JSON body, so the row
 convention and dtypes are decided in one place, and `proctor:response_bytes` counts exactly what
-is sent. A completions answer's JSON is written by `completion_json`, which only this class calls.
+is sent. A completions answer's JSON is written by `completion_json`, SGLang's `/generate` answer by
+`generate_json`; only this class calls them.
 
 The protobuf answers are spliced, not built: a result arrives from its replica worker already
 in wire form (`EncodedResult`: the serialised fields of the small outputs, the raw rows of the
@@ -27,6 +28,7 @@ import torch
 from proctor.proto import dtype_name, iter_row_chunks, rows_per_chunk, scoring_pb2
 from proctor.server.common.metrics import MetricsSink
 from proctor.server.front.completion_json import CompletionForm, completion_answer
+from proctor.server.front.generate_json import EntryText, Finish, Planned, generate_answer
 from proctor.server.front.service import ScoredRequest
 from proctor.server.front.token_text import TokenText
 from proctor.server.worker.wire import EncodedResult, RawRows, encode_result
@@ -266,6 +268,14 @@ class Responses:
         call's `form`; `tokenizer` decodes echoed prompts and generated tokens, `text` is the
         teacher's `decoded_token` table."""
         payload = completion_answer(prompts, scored, model=model, form=form, tokenizer=tokenizer, text=text)
+        self.metrics.response_sent(scored[0].teacher, scored[0].mode, len(payload))
+        return payload
+
+    def generate(self, plans: Sequence[Planned], scored: Sequence[ScoredRequest], finishes: Sequence[Finish], *,
+                 batch: bool, text: EntryText | None, latency: float) -> bytes:
+        """SGLang's `/generate` answer for prompts scored together (`generate_answer`); `text` the
+        teacher's entry text table when the call asked `return_text_in_logprobs`."""
+        payload = generate_answer(plans, scored, finishes, batch=batch, text=text, latency=latency)
         self.metrics.response_sent(scored[0].teacher, scored[0].mode, len(payload))
         return payload
 

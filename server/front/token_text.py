@@ -65,7 +65,8 @@ class TokenText:
         """Ids decoded so far."""
         return int(self._known.sum())
 
-    def _decode_alone(self, token: int) -> str:
+    def decode_alone(self, token: int) -> str:
+        """An id's text alone, by vLLM's rule (a subclass speaking another server's rule overrides it)."""
         if self._tokenizer is None:
             return ""
         text = self._tokenizer.decode([token]) or ""
@@ -110,6 +111,14 @@ class TokenText:
             return whole[common:]
         return ""
 
+    def key_piece(self, token: int) -> str:
+        """The piece of a `prompt_logprobs` entry before its log-prob (a subclass writes another shape)."""
+        return f'"{token}":{{"logprob":'
+
+    def tail_piece(self, text: str) -> str:
+        """The piece of a `prompt_logprobs` entry after its rank, with the id's text."""
+        return f',"decoded_token":{json.dumps(text)}}}'
+
     def _learn(self, ids: np.ndarray) -> None:
         top = int(ids.max(initial=-1)) + 1
         if top > self._known.shape[0]:
@@ -122,12 +131,12 @@ class TokenText:
             self._partial = np.concatenate([self._partial, np.zeros(grow, dtype=bool)])
         missing = np.unique(ids[~self._known[ids]]) if ids.size else ids
         for token in missing.tolist():
-            text = self._decode_alone(token)
+            text = self.decode_alone(token)
             self._texts[token] = text
             self._partial[token] = text.endswith(REPLACEMENT)
-            self._keys[token] = f'"{token}":{{"logprob":'
+            self._keys[token] = self.key_piece(token)
             self._quoted[token] = json.dumps(text)
-            self._tails[token] = f',"decoded_token":{self._quoted[token]}}}'
+            self._tails[token] = self.tail_piece(text)
         self._known[missing] = True
 
 

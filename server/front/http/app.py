@@ -1,13 +1,13 @@
-"""The HTTP shell (FastAPI): proctor's scoring endpoints and vLLM's scoring surface on one port.
+"""The HTTP shell (FastAPI): proctor's scoring endpoints and vLLM's and SGLang's scoring surfaces on one port.
 
 `POST /v1/score` takes `application/json` or `application/x-protobuf` and answers in the
 request's format unless `Accept` asks for the other. Errors are `{"error": {"code",
 "message", "field"}}` with the contract's status codes; 429/503 carry `Retry-After`.
 A client that disconnects cancels its request, which then leaves the queue.
 
-The app is split as vLLM's entrypoints are: request models (`models`, `openai_compat`),
+The app is split as vLLM's entrypoints are: request models (`models`, `openai_compat`, `sglang_compat`),
 a thin router (`router`), serving code over the service (`score_serving`,
-`completions_serving`), answers built by `Responses`, error answers in `errors`, and
+`completions_serving`, `sglang_serving`), answers built by `Responses`, error answers in `errors`, and
 cancellation on disconnect in `cancellation`. This module assembles them, with the bearer
 token check in front.
 """
@@ -23,6 +23,7 @@ from proctor.server.front.http.completions_serving import CompletionsServing
 from proctor.server.front.http.errors import error_response
 from proctor.server.front.http.router import Serving, router
 from proctor.server.front.http.score_serving import ScoreServing
+from proctor.server.front.http.sglang_serving import SglangServing
 from proctor.server.front.http.teacher_paths import TeacherPaths
 from proctor.server.front.http.tokenize_serving import TokenizeServing
 from proctor.server.front.responses import Responses
@@ -71,6 +72,7 @@ def create_app(
         ScoreServing(service, responses, max_body_bytes=limit),
         completions,
         TokenizeServing(service, completions.tokenizers, max_body_bytes=limit),
+        SglangServing(service, responses, completions.tokenizers, max_body_bytes=limit),
     )
     app.include_router(router)
     return app

@@ -74,12 +74,11 @@ def build_requests(ask: CompletionBody, template: scoring_pb2.ScoreRequest, teac
 
 
 async def score_all(service: ScoringService, teacher_set: ReplicaSet, messages: list[scoring_pb2.ScoreRequest],
-                    timeout: float | None) -> list[ScoredRequest]:
+                    timeout: float | None, *, ranks: bool = True) -> list[ScoredRequest]:
     """Score a call's prompts at once on the teacher the call was routed to, answers in order.
     The first error fails the call and withdraws the rest; a cancelled call (its client gone)
-    withdraws them all."""
-    # Its answer's prompt_logprobs name each actual token's rank: asked of the engine here only.
-    jobs = [asyncio.ensure_future(service.score_on(teacher_set, message, timeout=timeout, unary=True, ranks=True))
+    withdraws them all. `ranks`: each actual token's rank too (vLLM's prompt_logprobs name it)."""
+    jobs = [asyncio.ensure_future(service.score_on(teacher_set, message, timeout=timeout, unary=True, ranks=ranks))
             for message in messages]
     try:
         return await asyncio.gather(*jobs)

@@ -1,8 +1,9 @@
-"""A ScoringError as an HTTP answer, in proctor's shape or in OpenAI's.
+"""A ScoringError as an HTTP answer, in proctor's shape, OpenAI's or SGLang's.
 
 `/v1/score` answers `{"error": {"code", "message", "field"}}` with the contract's status;
 vLLM's surface answers `{"error": {"message", "type", "param", "code"}}` with the status a vLLM
-server gives (400 for bad input, where the contract says 422). Both carry the same retry hint,
+server gives (400 for bad input, where the contract says 422); SGLang's `/generate` answers
+`{"error": {"message"}}`, 400 for bad input too. All carry the same retry hint,
 formatted once here: `Retry-After` in whole seconds (RFC 9110), and for proctor's own clients
 the same hint to the millisecond.
 """
@@ -49,3 +50,11 @@ def openai_error(error: ScoringError) -> JSONResponse:
     body = {"error": {"message": error.message, "type": _OPENAI_TYPES.get(error.code.name, "internal_server_error"),
                       "param": error.field, "code": status}}
     return JSONResponse(body, status_code=status, headers=retry_headers(error, millis=False))
+
+
+def sglang_error(error: ScoringError) -> JSONResponse:
+    """A ScoringError in the shape SGLang's `/generate` answers a request it refuses:
+    `{"error": {"message"}}`, 400 for bad input (as its tokenizer manager's ValueError is)."""
+    status = 400 if error.code is Code.INVALID_ARGUMENT else error.code.http_status
+    return JSONResponse({"error": {"message": error.message}}, status_code=status,
+                        headers=retry_headers(error, millis=False))

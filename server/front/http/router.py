@@ -18,18 +18,21 @@ from proctor.server.front.fleet.replicas import ReplicaState
 from proctor.server.front.http.completions_serving import CompletionsServing
 from proctor.server.front.http.openai_compat import CompletionBody
 from proctor.server.front.http.score_serving import SCORE_OPENAPI, ScoreServing
+from proctor.server.front.http.sglang_compat import GenerateBody
+from proctor.server.front.http.sglang_serving import SglangServing
 from proctor.server.front.http.tokenize_serving import TokenizeServing
 from proctor.server.front.service import ScoringService
 
 
 @dataclass(frozen=True)
 class Serving:
-    """What an app's routes call: the service, proctor's scoring endpoints, vLLM's surface."""
+    """What an app's routes call: the service, proctor's scoring endpoints, vLLM's and SGLang's surfaces."""
 
     service: ScoringService
     score: ScoreServing
     completions: CompletionsServing
     tokenize: TokenizeServing
+    sglang: SglangServing
 
 
 def _serving(request: Request) -> Serving:
@@ -117,3 +120,25 @@ async def detokenize(request: Request) -> Response:
 @router.get("/tokenizer_info", summary="vLLM's /tokenizer_info: the teacher's tokenizer settings and chat template")
 async def tokenizer_info(request: Request) -> Response:
     return await _serving(request).tokenize.info(request)
+# SGLang's native surface over the same service (its requests name no model: the path's teacher).
+@router.post("/generate", summary="SGLang-compatible scoring: input_ids or text, max_new_tokens 0, return_logprob",
+             openapi_extra=GenerateBody.openapi_body())
+async def generate(request: Request) -> Response:
+    return await _serving(request).sglang.generate(request)
+
+
+@router.get("/health_generate", summary="SGLang's deep health probe: 200 when every teacher can score")
+async def health_generate(request: Request) -> Response:
+    return _serving(request).sglang.health_generate()
+
+
+@router.get("/get_model_info", summary="SGLang's model info of the teacher (the path's, or the only one)")
+@router.get("/model_info", include_in_schema=False)
+async def model_info(request: Request) -> Response:
+    return await _serving(request).sglang.model_info(request)
+
+
+@router.get("/get_server_info", summary="SGLang's server info: the settings its clients read")
+@router.get("/server_info", include_in_schema=False)
+async def server_info(request: Request) -> Response:
+    return await _serving(request).sglang.server_info(request)
