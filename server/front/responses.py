@@ -1,6 +1,7 @@
 """Every answer to a scored request is built here, and its bytes counted here.
 
-Both transports (and the protobuf and JSON flavours of HTTP, and vLLM's `/v1/completions`) ask
+Both transports (and the protobuf and JSON flavours of HTTP, vLLM's `/v1/completions` and its
+`/inference/v1/generate`) ask
 `Responses` for a unary answer's bytes, stream chunks' bytes or a JSON body, so the row
 convention and dtypes are decided in one place, and `proctor:response_bytes` counts exactly what
 is sent. A completions answer's JSON is written by `completion_json`, which only this class calls.
@@ -27,6 +28,7 @@ from proctor.proto import dtype_name, iter_row_chunks, rows_per_chunk, scoring_p
 from proctor.server.common.metrics import MetricsSink
 from proctor.server.front.completion_json import TokenText, completion_answer
 from proctor.server.front.service import ScoredRequest
+from proctor.server.front.tito_json import GeneratePlan, GenerateReply, generate_answer
 from proctor.server.worker.wire import EncodedResult, RawRows, encode_result
 
 _LEN = 2  # protobuf's wire type of length-delimited fields
@@ -265,6 +267,12 @@ class Responses:
         table."""
         payload = completion_answer(prompts, scored, model=model, echo=echo, text=text)
         self.metrics.response_sent(scored[0].teacher, scored[0].mode, len(payload))
+        return payload
+
+    def generate(self, plan: GeneratePlan, reply: GenerateReply, scored: ScoredRequest, *, text: TokenText) -> bytes:
+        """vLLM's `/inference/v1/generate` answer for a call scored as `plan` (`tito_json`)."""
+        payload = generate_answer(plan, reply, scored, text)
+        self.metrics.response_sent(scored.teacher, scored.mode, len(payload))
         return payload
 
     def chunks(self, scored: ScoredRequest) -> Iterator[bytes]:

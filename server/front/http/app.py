@@ -5,9 +5,9 @@ request's format unless `Accept` asks for the other. Errors are `{"error": {"cod
 "message", "field"}}` with the contract's status codes; 429/503 carry `Retry-After`.
 A client that disconnects cancels its request, which then leaves the queue.
 
-The app is split as vLLM's entrypoints are: request models (`models`, `openai_compat`),
+The app is split as vLLM's entrypoints are: request models (`models`, `openai_compat`, `tito_compat`),
 a thin router (`router`), serving code over the service (`score_serving`,
-`completions_serving`), answers built by `Responses`, error answers in `errors`, and
+`completions_serving`, `tito_serving`), answers built by `Responses`, error answers in `errors`, and
 cancellation on disconnect in `cancellation`. This module assembles them, with the bearer
 token check in front.
 """
@@ -23,6 +23,7 @@ from proctor.server.front.http.completions_serving import CompletionsServing
 from proctor.server.front.http.errors import error_response
 from proctor.server.front.http.router import Serving, router
 from proctor.server.front.http.score_serving import ScoreServing
+from proctor.server.front.http.tito_serving import TitoServing
 from proctor.server.front.responses import Responses
 from proctor.server.front.service import ScoringService
 from proctor.server.front.settings import ServerOptions
@@ -62,10 +63,12 @@ def create_app(
     if auth.enabled:
         app.add_middleware(BearerTokenMiddleware, auth=auth, open_paths=options.open_paths)
     limit = options.max_message_bytes
+    completions = CompletionsServing(service, responses, max_body_bytes=limit)
     app.state.serving = Serving(
         service,
         ScoreServing(service, responses, max_body_bytes=limit),
-        CompletionsServing(service, responses, max_body_bytes=limit),
+        completions,
+        TitoServing(service, responses, completions.tokenizers, max_body_bytes=limit),
     )
     app.include_router(router)
     return app

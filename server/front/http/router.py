@@ -18,16 +18,19 @@ from proctor.server.front.fleet.replicas import ReplicaState
 from proctor.server.front.http.completions_serving import CompletionsServing
 from proctor.server.front.http.openai_compat import CompletionBody
 from proctor.server.front.http.score_serving import SCORE_OPENAPI, ScoreServing
+from proctor.server.front.http.tito_compat import GenerateBody
+from proctor.server.front.http.tito_serving import TitoServing
 from proctor.server.front.service import ScoringService
 
 
 @dataclass(frozen=True)
 class Serving:
-    """What an app's routes call: the service, proctor's scoring endpoints, vLLM's surface."""
+    """What an app's routes call: the service, proctor's scoring endpoints, vLLM's surfaces."""
 
     service: ScoringService
     score: ScoreServing
     completions: CompletionsServing
+    tito: TitoServing
 
 
 def _serving(request: Request) -> Serving:
@@ -100,3 +103,10 @@ async def models(request: Request) -> dict:
              openapi_extra=CompletionBody.openapi_body())
 async def completions(request: Request) -> Response:
     return await _serving(request).completions.complete(request)
+
+
+@router.post("/inference/v1/generate", summary="vLLM's token-in-token-out teacher scoring: prompt_logprobs and "
+             "prompt_logprob_token_ids (a base64 .npy float32 [rows, K]), max_tokens 1",
+             openapi_extra=GenerateBody.openapi_body())
+async def generate(request: Request) -> Response:
+    return await _serving(request).tito.generate(request)
