@@ -63,12 +63,16 @@ def _max_tokens(value: Any, info: ValidationInfo) -> int:
 
 
 def _temperature(value: Any, info: ValidationInfo) -> float:
+    if value is None:
+        return 1.0
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
         raise invalid(_name(info), f"is {value!r}; it must be a number >= 0")
     return float(value)
 
 
 def _flag(value: Any, info: ValidationInfo) -> bool:
+    if value is None:  # vLLM's own models write an unset flag as null
+        return False
     if not isinstance(value, bool):
         raise invalid(_name(info), "must be a boolean")
     return value
@@ -149,8 +153,8 @@ class SamplingBody(WireModel):
     logprobs: _Count = None
     # vLLM's prompt scores are the raw log-probs whatever the temperature; it only changes how the
     # generated token is drawn, and here that token is always the greedy one.
-    temperature: Annotated[float, checked(_temperature, float)] = 1.0
-    ignore_eos: Annotated[bool, checked(_flag, bool)] = False
+    temperature: Annotated[float, checked(_temperature, float | None)] = 1.0
+    ignore_eos: Annotated[bool, checked(_flag, bool | None)] = False
     # Accepted at their neutral value only.
     n: _neutral(int, 1) = None
     presence_penalty: _neutral(float, 0, 0.0) = None
@@ -202,7 +206,7 @@ class GenerateBody(WireModel):
     sampling_params: Annotated[SamplingBody, checked(_sampling, SamplingBody)] = required("what to score")
     request_id: Annotated[str | None, checked(_string, str | None)] = None
     cache_salt: Annotated[str | None, checked(_cache_salt, str | None)] = None
-    return_token_ids: Annotated[bool, checked(_flag, bool)] = False
+    return_token_ids: Annotated[bool, checked(_flag, bool | None)] = False
     # Accepted at their neutral value only.
     output_mode: _neutral(str, "tokens") = None
     stream: _neutral(bool, False) = None
