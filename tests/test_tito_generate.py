@@ -16,7 +16,6 @@ import io
 import os
 import subprocess
 import sys
-import time
 
 import httpx
 import numpy as np
@@ -24,7 +23,7 @@ import pytest
 import torch
 
 from support.reference import reference_rows
-from support.servers import free_port
+from support.servers import free_port, wait_for
 
 pytest.importorskip("vllm", reason="vLLM's request and response models are what this surface is checked with")
 
@@ -199,17 +198,16 @@ def stock_answers(tiny_model_dir):
          "--max-model-len", "2048", "--enforce-eager", "--max-logprobs", "64"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        assert proc.poll() is None, "stock vLLM exited during startup"
+        try:
+            return httpx.get(url + "/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
     try:
-        deadline = time.monotonic() + 400
-        while True:
-            assert proc.poll() is None, "stock vLLM exited during startup"
-            assert time.monotonic() < deadline, "stock vLLM did not start"
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
+        wait_for(healthy, timeout=400, interval=1)
         return [_post(url, request) for request in _COMPARED], _post(url, _ASKED_IDS)
     finally:
         proc.terminate()
