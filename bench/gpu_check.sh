@@ -6,6 +6,7 @@
 #   bench/gpu_check.sh loss                 # the loss bench's GPU rows (forward KL, reverse KL, JSD)
 #   bench/gpu_check.sh multimodal           # the tiny omni Thinker with images, vLLM vs torch engines
 #   bench/gpu_check.sh hidden_forms         # every hidden-state wire form made in vLLM's pooler on the GPU
+#   bench/gpu_check.sh tito                 # student top-64 through /inference/v1/generate: proctor vs stock vLLM
 #
 # Installs vllm (and vllm-omni when OMNI_MODEL is set) if missing, then scores the same sequences
 # with the torch engine and the vLLM engine and prints the largest differences of actual-token
@@ -51,6 +52,32 @@ if [ "${1:-}" = hidden_forms ]; then
   # largest gap of the rebuilt rows, bytes per row. MODEL or a local H=256 model; rank H/8.
   "$PYTHON" bench/hidden_forms_gpu.py --device "$DEVICE" --dtype "$DTYPE" --gpu-memory-utilization "$GPU_UTIL" \
     ${MODEL:+--model "$MODEL"}
+  exit 0
+fi
+if [ "${1:-}" = tito ]; then
+  # vLLM 0.32's teacher scoring (`prompt_logprob_token_ids`, student top-64) served by stock vLLM (its V2
+  # model runner, the one that scores those ids, with --enable-scale-out) and by proctor's vLLM teacher,
+  # both up at once with the same model and GPU memory share: identical requests,
+  # fresh sequences each phase, phases alternated (bench/tito_bench.py). Prints proctor ÷ stock (goal >= 2x).
+  # MODEL or a local H=256 model; TITO_ARGS adds bench options, e.g. TITO_ARGS="--seqs 64 --length 2048".
+  "$PYTHON" -c "import proctor.server.engines" 2>/dev/null || "$PYTHON" -m pip install -q -e ".[server]"
+  TITO_MODEL=${MODEL:-$(mktemp -d)/teacher}
+  [ -n "${MODEL:-}" ] || "$PYTHON" -m proctor.server.cli.main make-tiny-model --hidden-size 256 --num-layers 4 "$TITO_MODEL"
+  PORT=${TITO_STOCK_PORT:-18000}
+  VLLM_USE_V2_MODEL_RUNNER=1 "$PYTHON" -m vllm.entrypoints.openai.api_server --model "$TITO_MODEL" --enable-scale-out \
+    --host 127.0.0.1 --port "$PORT" --dtype "$DTYPE" --max-model-len 4096 --max-logprobs 64 \
+    --gpu-memory-utilization "$GPU_UTIL" > /tmp/tito_stock_vllm.log 2>&1 &
+  STOCK=$!
+  trap 'kill $STOCK 2>/dev/null || true' EXIT
+  for _ in $(seq 600); do
+    curl -sf "http://127.0.0.1:$PORT/health" >/dev/null 2>&1 && break
+    kill -0 $STOCK 2>/dev/null || { tail -30 /tmp/tito_stock_vllm.log; exit 1; }
+    sleep 1
+  done
+  # shellcheck disable=SC2086
+  "$PYTHON" bench/tito_bench.py --engine vllm --model "$TITO_MODEL" --stock "http://127.0.0.1:$PORT" \
+    --device "$DEVICE" --dtype "$DTYPE" \
+    --max-model-len 4096 --inference "gpu_memory_utilization=$GPU_UTIL" ${TITO_ARGS:-}
   exit 0
 fi
 if [ -n "${OMNI_MODEL:-}" ] && ! "$PYTHON" -c "import vllm_omni" 2>/dev/null; then

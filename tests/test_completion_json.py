@@ -21,9 +21,12 @@ def _dict_form(ids, logprobs, ranks, topk_ids, topk_logprobs, decode) -> list:
             rank = candidates.index(actual) + 1
         else:
             rank = int(ranks[row]) if ranks is not None else len(candidates) + 1
-        entry = {str(actual): {"logprob": float(logprobs[row]), "rank": rank, "decoded_token": decode(actual)}}
+        def floor(value: float) -> float:  # vLLM's clamp_prompt_logprobs: -inf is written as -9999.0
+            return -9999.0 if value == float("-inf") else value
+
+        entry = {str(actual): {"logprob": floor(float(logprobs[row])), "rank": rank, "decoded_token": decode(actual)}}
         for place, token in enumerate(candidates):
-            entry.setdefault(str(token), {"logprob": float(topk_logprobs[row][place]), "rank": place + 1,
+            entry.setdefault(str(token), {"logprob": floor(float(topk_logprobs[row][place])), "rank": place + 1,
                                           "decoded_token": decode(token)})
         rows.append(entry)
     return rows

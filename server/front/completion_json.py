@@ -52,6 +52,11 @@ def float_texts(values: np.ndarray) -> np.ndarray:
     return out.reshape(values.shape)
 
 
+# vLLM's floor for a log-prob in its JSON answers: `prompt_logprobs` entries of -inf are written as
+# this (`clamp_prompt_logprobs`), and OpenAI's `logprobs` values are held at or above it.
+LOGPROB_FLOOR = -9999.0
+
+
 def prompt_logprobs_json(ids: np.ndarray, logprobs: np.ndarray, ranks: np.ndarray | None,
                          topk_ids: np.ndarray | None, topk_logprobs: np.ndarray | None, text: TokenText) -> str:
     """One prompt's `prompt_logprobs` list as JSON: `null`, then rows 1..T-1 (`ids` [T], the
@@ -69,6 +74,8 @@ def prompt_logprobs_json(ids: np.ndarray, logprobs: np.ndarray, ranks: np.ndarra
     if k:
         tokens[:, 1:] = topk_ids
         values[:, 1:] = topk_logprobs
+    values[np.isneginf(values)] = LOGPROB_FLOOR  # vLLM's clamp_prompt_logprobs: -inf only
+    if k:
         hit = topk_ids == actual[:, None]
         rank = np.where(hit.any(axis=1), hit.argmax(axis=1) + 1, ranks if ranks is not None else k + 1)
         keep[:, 1:] = ~hit
@@ -95,8 +102,6 @@ def prompt_logprobs_json(ids: np.ndarray, logprobs: np.ndarray, ranks: np.ndarra
     return "[null," + "".join(out)[2:] + "}]"
 
 
-# vLLM writes -inf log-probs in its OpenAI `logprobs` as this (JSON has no infinity).
-_FLOOR = -9999.0
 
 
 @dataclass(frozen=True)
@@ -151,7 +156,7 @@ def _steps(actual: np.ndarray, logprobs: np.ndarray, topk_ids: np.ndarray, topk_
 
 
 def _clamped_texts(values: np.ndarray) -> np.ndarray:
-    return float_texts(np.maximum(values.astype(np.float32), np.float32(_FLOOR)))
+    return float_texts(np.maximum(values.astype(np.float32), np.float32(LOGPROB_FLOOR)))
 
 
 def _top_dicts(steps: _Steps, ids: np.ndarray | None, text: TokenText) -> tuple[list[str], np.ndarray]:
@@ -172,7 +177,7 @@ def _top_dicts(steps: _Steps, ids: np.ndarray | None, text: TokenText) -> tuple[
     rows: list[str] = []
     for row in range(steps.keep.shape[0]):
         if clash[row]:
-            merged = {str(t): max(float(v), _FLOOR) for t, v in
+            merged = {str(t): max(float(v), LOGPROB_FLOOR) for t, v in
                       zip(texts[row][steps.keep[row]], steps.candidate_values[row][steps.keep[row]], strict=True)}
             rows.append(json.dumps(merged, separators=(",", ":")))
         else:
@@ -272,7 +277,9 @@ def completion_answer(prompts: Sequence[list[int]], scored: Sequence[ScoredReque
         echo_text = tokenizer.decode(ids) if form.echo and tokenizer is not None else ""
         choices.append(_choice(index, ids, score, form, echo_text=echo_text, tokenizer=tokenizer, text=text))
     tokens = sum(len(ids) for ids in prompts)
-    generated = len(prompts) if form.generates else 0
+    # vLLM always runs one decode step (max_tokens 0 with echo is max_tokens 1 inside, its token not
+    # shown), and counts it: one completion token per prompt, whatever the answer shows.
+    generated = len(prompts)
     top = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": model}
     usage = {"prompt_tokens": tokens, "total_tokens": tokens + generated, "completion_tokens": generated}
     return f'{_dumps(top)[:-1]},"choices":[{",".join(choices)}],"usage":{_dumps(usage)}}}'.encode()

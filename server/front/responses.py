@@ -1,6 +1,7 @@
 """Every answer to a scored request is built here, and its bytes counted here.
 
-Both transports (and the protobuf and JSON flavours of HTTP, and vLLM's `/v1/completions`) ask
+Both transports (and the protobuf and JSON flavours of HTTP, vLLM's `/v1/completions` and its
+`/inference/v1/generate`) ask
 `Responses` for a unary answer's bytes, stream chunks' bytes or a JSON body, so the row
 convention and dtypes are decided in one place, and `proctor:response_bytes` counts exactly what
 is sent. A completions answer's JSON is written by `completion_json`, SGLang's `/generate` answer by
@@ -30,6 +31,7 @@ from proctor.server.common.metrics import MetricsSink
 from proctor.server.front.completion_json import CompletionForm, completion_answer
 from proctor.server.front.generate_json import EntryText, Finish, Planned, generate_answer
 from proctor.server.front.service import ScoredRequest
+from proctor.server.front.tito_json import GeneratePlan, GenerateReply, tito_answer
 from proctor.server.front.token_text import TokenText
 from proctor.server.worker.wire import EncodedResult, RawRows, encode_result
 
@@ -277,6 +279,12 @@ class Responses:
         teacher's entry text table when the call asked `return_text_in_logprobs`."""
         payload = generate_answer(plans, scored, finishes, batch=batch, text=text, latency=latency)
         self.metrics.response_sent(scored[0].teacher, scored[0].mode, len(payload))
+        return payload
+
+    def tito(self, plan: GeneratePlan, reply: GenerateReply, scored: ScoredRequest, *, text: TokenText) -> bytes:
+        """vLLM's `/inference/v1/generate` answer for a call scored as `plan` (`tito_json`)."""
+        payload = tito_answer(plan, reply, scored, text)
+        self.metrics.response_sent(scored.teacher, scored.mode, len(payload))
         return payload
 
     def chunks(self, scored: ScoredRequest) -> Iterator[bytes]:

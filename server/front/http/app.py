@@ -5,9 +5,10 @@ request's format unless `Accept` asks for the other. Errors are `{"error": {"cod
 "message", "field"}}` with the contract's status codes; 429/503 carry `Retry-After`.
 A client that disconnects cancels its request, which then leaves the queue.
 
-The app is split as vLLM's entrypoints are: request models (`models`, `openai_compat`, `sglang_compat`),
-a thin router (`router`), serving code over the service (`score_serving`,
-`completions_serving`, `sglang_serving`), answers built by `Responses`, error answers in `errors`, and
+The app is split as vLLM's entrypoints are: request models (`models`, `openai_compat`, `tito_compat`,
+`sglang_compat`), a thin router (`router`), serving code over the service (`score_serving`,
+`completions_serving`, `tokenize_serving`, `tito_serving`, `sglang_serving`; `teacher_paths` puts each
+teacher at its own base path), answers built by `Responses`, error answers in `errors`, and
 cancellation on disconnect in `cancellation`. This module assembles them, with the bearer
 token check in front.
 """
@@ -25,6 +26,7 @@ from proctor.server.front.http.router import Serving, router
 from proctor.server.front.http.score_serving import ScoreServing
 from proctor.server.front.http.sglang_serving import SglangServing
 from proctor.server.front.http.teacher_paths import TeacherPaths
+from proctor.server.front.http.tito_serving import TitoServing
 from proctor.server.front.http.tokenize_serving import TokenizeServing
 from proctor.server.front.responses import Responses
 from proctor.server.front.service import ScoringService
@@ -73,6 +75,7 @@ def create_app(
         completions,
         TokenizeServing(service, completions.tokenizers, max_body_bytes=limit),
         SglangServing(service, responses, completions.tokenizers, max_body_bytes=limit),
+        TitoServing(service, responses, completions.tokenizers, max_body_bytes=limit),
     )
     app.include_router(router)
     return app

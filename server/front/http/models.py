@@ -232,23 +232,32 @@ def scoring_temperature(temperature: float | None) -> float | None:
     return None if temperature is None or is_greedy(temperature) else temperature
 
 
+def padded_id_rows(rows: list[list], field: str) -> np.ndarray:
+    """R lists of ids (ragged allowed) -> int32 [R, K] with -1 padding, every id held to int32
+    (`int32_ids`) and the padding bounded by what was sent: a few ragged rows must not allocate
+    [rows, widest]. Rows of one width (the usual case) become the array in one numpy call."""
+    width = max((len(row) for row in rows), default=0)
+    given = sum(len(row) for row in rows)
+    if len(rows) * width > min(_MAX_SCORE_ID_CELLS, max(_RAGGED_SLACK * given, _RAGGED_FREE_CELLS)):
+        raise invalid(field, f"{len(rows)} rows of up to {width} ids ({given} given) pad to "
+                      f"{len(rows) * width} cells; pad the rows with -1 to one width yourself, or send fewer")
+    int32_ids(field, itertools.chain.from_iterable(rows))
+    if given == len(rows) * width:
+        return np.asarray(rows, dtype="<i4").reshape(len(rows), width)
+    ids = np.full((len(rows), width), -1, dtype="<i4")
+    for index, row in enumerate(rows):
+        ids[index, : len(row)] = row
+    return ids
+
+
 def _score_ids(rows: list | None) -> scoring_pb2.Tensor | None:
     """score_ids as R lists of ids (ragged allowed) -> int32 [R, K] with -1 padding, the wire form."""
     if rows is None:
         return None
     if not all(isinstance(row, list) for row in rows):
         raise invalid("score_ids", "must be a list of rows, each a list of token ids")
-    width = max((len(row) for row in rows), default=0)
-    given = sum(len(row) for row in rows)
-    # Padding is bounded by what was sent: a few ragged rows must not allocate [rows, widest].
-    if len(rows) * width > min(_MAX_SCORE_ID_CELLS, max(_RAGGED_SLACK * given, _RAGGED_FREE_CELLS)):
-        raise invalid("score_ids", f"{len(rows)} rows of up to {width} ids ({given} given) pad to "
-                      f"{len(rows) * width} cells; pad the rows with -1 to one width yourself, or send fewer")
-    int32_ids("score_ids", itertools.chain.from_iterable(rows))
-    ids = np.full((len(rows), width), -1, dtype="<i4")
-    for index, row in enumerate(rows):
-        ids[index, : len(row)] = row
-    return scoring_pb2.Tensor(dtype=scoring_pb2.INT32, shape=[len(rows), width], data=ids.tobytes())
+    ids = padded_id_rows(rows, "score_ids")
+    return scoring_pb2.Tensor(dtype=scoring_pb2.INT32, shape=list(ids.shape), data=ids.tobytes())
 
 
 class MediaItem(BaseModel):

@@ -20,6 +20,8 @@ from proctor.server.front.http.openai_compat import CompletionBody
 from proctor.server.front.http.score_serving import SCORE_OPENAPI, ScoreServing
 from proctor.server.front.http.sglang_compat import GenerateBody
 from proctor.server.front.http.sglang_serving import SglangServing
+from proctor.server.front.http.tito_compat import GenerateBody as TitoBody
+from proctor.server.front.http.tito_serving import TitoServing
 from proctor.server.front.http.tokenize_serving import TokenizeServing
 from proctor.server.front.service import ScoringService
 
@@ -33,6 +35,7 @@ class Serving:
     completions: CompletionsServing
     tokenize: TokenizeServing
     sglang: SglangServing
+    tito: TitoServing
 
 
 def _serving(request: Request) -> Serving:
@@ -142,3 +145,8 @@ async def model_info(request: Request) -> Response:
 @router.get("/server_info", include_in_schema=False)
 async def server_info(request: Request) -> Response:
     return await _serving(request).sglang.server_info(request)
+@router.post("/inference/v1/generate", summary="vLLM's token-in-token-out teacher scoring: prompt_logprobs and "
+             "prompt_logprob_token_ids (a base64 .npy float32 [rows, K]), max_tokens 1",
+             openapi_extra=TitoBody.openapi_body())
+async def vllm_generate(request: Request) -> Response:
+    return await _serving(request).tito.generate(request)
