@@ -58,17 +58,21 @@ class VerifyReport:
         return out
 
 
+def _largest(values: torch.Tensor) -> float:
+    return float(values.max()) if values.numel() else 0.0
+
+
 def _compare(report: VerifyReport, stored: StoredSequence, live) -> None:
     scores = stored.scores
     report.positions += scores.num_rows
     if scores.logprobs is not None:
         diff = (scores.logprobs.double() - live.logprobs.double()).abs()
-        report.logprob_diff = max(report.logprob_diff, float(diff.max(initial=0)))
+        report.logprob_diff = max(report.logprob_diff, _largest(diff))
         report.logprob_over += int((diff > LIVE_TOLERANCE).sum())
     if scores.topk_ids is not None:
         diff = (scores.topk_logprobs.double() - live.score_logprobs.double()).abs()
-        report.topk_diff = max(report.topk_diff, float(diff.max(initial=0)))
-        report.topk_stated = max(report.topk_stated, float(stored.topk_error.max(initial=0)))
+        report.topk_diff = max(report.topk_diff, _largest(diff))
+        report.topk_stated = max(report.topk_stated, _largest(stored.topk_error))
         report.topk_over += int((diff > stored.topk_error.double() + LIVE_TOLERANCE).sum())
         same = torch.sort(scores.topk_ids, 1).values == torch.sort(live.topk_ids, 1).values
         report.ids_equal += int(same.all(1).sum())
