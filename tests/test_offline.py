@@ -266,3 +266,10 @@ def test_the_ray_data_job_writes_the_single_process_shards_and_resumes_the_same_
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+def test_the_noisy_student_trains_from_the_stored_top_k_alone(stored, tiny_model_dir):
+    from proctor.trainer_adapter.offline_demo import train_offline
+
+    logs = train_offline(stored, tiny_model_dir, steps=12, batch=8, sequences=16)
+    assert logs[-1]["loss"] < 0.5 * logs[0]["loss"]

@@ -33,30 +33,38 @@ def id_bits(vocab_size: int) -> int:
     return max(1, math.ceil(math.log2(max(2, vocab_size))))
 
 
+_CHUNK = 1 << 16  # ids packed a chunk at a time (a multiple of 8: chunks end on whole bytes)
+
+
 def pack_ids(ids: np.ndarray, bits: int) -> bytes:
     """Non-negative ids (any shape) as `bits`-bit fields, little-endian bit order, row-major."""
-    flat = np.ascontiguousarray(ids, dtype=np.uint32).reshape(-1)
+    flat = np.ascontiguousarray(ids, dtype="<u4").reshape(-1)
     if flat.size and int(flat.max()) >> bits:
         raise ValueError(f"an id ({int(flat.max())}) does not fit in {bits} bits")
-    fields = ((flat[:, None] >> np.arange(bits, dtype=np.uint32)) & 1).astype(np.uint8)
-    return np.packbits(fields, bitorder="little").tobytes()
+    out = []
+    for start in range(0, flat.size, _CHUNK):
+        chunk = flat[start : start + _CHUNK].view(np.uint8).reshape(-1, 4)
+        fields = np.unpackbits(chunk, axis=1, bitorder="little")[:, :bits]
+        out.append(np.packbits(fields, bitorder="little").tobytes())
+    return b"".join(out)
 
 
 def unpack_ids(data: bytes, count: int, bits: int) -> np.ndarray:
     """`count` int32 ids from `pack_ids`' bytes."""
     fields = np.unpackbits(np.frombuffer(data, dtype=np.uint8), count=count * bits, bitorder="little")
-    weights = (np.uint32(1) << np.arange(bits, dtype=np.uint32))
-    return (fields.reshape(count, bits).astype(np.uint32) @ weights).astype(np.int32)
+    wide = np.zeros((count, 32), dtype=np.uint8)
+    wide[:, :bits] = fields.reshape(count, bits)
+    return np.packbits(wide, axis=1, bitorder="little").view("<u4").reshape(count).astype(np.int32)
 
 
 def quantize_u8(values: np.ndarray) -> tuple[bytes, np.ndarray, np.ndarray]:
     """[R, K] float log-probs → (uint8 codes, offset float32 [R], scale float32 [R])."""
-    values = np.asarray(values, dtype=np.float64)
+    values = np.asarray(values, dtype=np.float32)
     if not np.isfinite(values).all():
         raise ValueError("the u8 form stores finite log-probs only; store this dataset with --topk-form f16 or f32")
-    offset = values.min(axis=1).astype(np.float32)
-    scale = ((values.max(axis=1) - offset) / 255.0).astype(np.float32)
-    safe = np.where(scale > 0, scale, 1.0).astype(np.float64)
+    offset = values.min(axis=1)
+    scale = (values.max(axis=1) - offset) / np.float32(255.0)
+    safe = np.where(scale > 0, scale, np.float32(1.0))
     codes = np.rint((values - offset[:, None]) / safe[:, None]).clip(0, 255).astype(np.uint8)
     return codes.tobytes(), offset, scale
 

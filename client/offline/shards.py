@@ -33,7 +33,7 @@ from proctor.client.offline.identity import DatasetIdentity
 from proctor.client.scores import TeacherScores
 
 COMPRESSION = "zstd"
-COMPRESSION_LEVEL = 9
+COMPRESSION_LEVEL = 3
 TMP_SUFFIX = ".tmp"
 
 
@@ -60,43 +60,65 @@ def _hidden_bytes(hidden: torch.Tensor) -> tuple[bytes, int, str]:
     return hidden.contiguous().view(torch.uint8).numpy().tobytes(), hidden.shape[1], dtype
 
 
-def _topk_columns(columns: dict, scores: Sequence[TeacherScores], identity: DatasetIdentity) -> None:
-    for score in scores:
-        ids = score.topk_ids.numpy()
-        columns["topk_ids"].append(codecs.pack_ids(ids, identity.id_bits))
-        data, offset, scale = codecs.encode_topk_logprobs(score.topk_logprobs.numpy(), identity.topk_form)
-        columns["topk_logprobs"].append(data)
-        if identity.topk_form == "u8":
-            columns["topk_offset"].append(offset)
-            columns["topk_scale"].append(scale)
+def _offsets(counts: Sequence[int]) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int32)
+
+
+def _lists(values: np.ndarray, counts: Sequence[int], item: pa.DataType) -> pa.Array:
+    """One list per sequence over `values` cut by `counts` (built in one pass, no Python loop)."""
+    return pa.ListArray.from_arrays(pa.array(_offsets(counts)), pa.array(values, type=item))
+
+
+def _binaries(data: bytes, counts: Sequence[int]) -> pa.Array:
+    """One binary value per sequence over `data` cut into `counts` bytes."""
+    offsets = _offsets(counts)
+    return pa.Array.from_buffers(pa.binary(), len(counts), [None, pa.py_buffer(offsets.tobytes()), pa.py_buffer(data)])
+
+
+def _packed_ids(ids: list[np.ndarray], rows: list[int], bits: int) -> pa.Array:
+    k = ids[0].shape[1] if ids else 0
+    if (k * bits) % 8 == 0:  # each row whole bytes: the block packs at once, cut at row boundaries
+        return _binaries(codecs.pack_ids(np.concatenate(ids), bits), [r * k * bits // 8 for r in rows])
+    return pa.array([codecs.pack_ids(one, bits) for one in ids], type=pa.binary())
+
+
+def _topk_columns(columns: dict, scores: Sequence[TeacherScores], rows: list[int], identity: DatasetIdentity) -> None:
+    ids = [s.topk_ids.numpy() for s in scores]
+    columns["topk_ids"] = _packed_ids(ids, rows, identity.id_bits)
+    values = np.concatenate([s.topk_logprobs.numpy() for s in scores])
+    data, offset, scale = codecs.encode_topk_logprobs(values, identity.topk_form)
+    width = values.itemsize if identity.topk_form == "f32" else {"f16": 2, "u8": 1}[identity.topk_form]
+    columns["topk_logprobs"] = _binaries(data, [r * identity.topk * width for r in rows])
+    if identity.topk_form == "u8":
+        columns["topk_offset"] = _lists(offset, rows, pa.float32())
+        columns["topk_scale"] = _lists(scale, rows, pa.float32())
 
 
 def shard_table(indices: Sequence[int], token_ids: Sequence[Sequence[int]], scores: Sequence[TeacherScores],
                 identity: DatasetIdentity) -> pa.Table:
     """The block's sequences and their scores as one table (schema in the module's docstring)."""
-    columns: dict[str, list] = {"index": list(indices), "token_ids": [list(map(int, t)) for t in token_ids],
-                                "first_row": [s.first_row for s in scores]}
-    types = {"index": pa.int64(), "token_ids": pa.list_(pa.int32()), "first_row": pa.int32()}
+    rows = [s.num_rows for s in scores]
+    lengths = [len(t) for t in token_ids]
+    flat_ids = np.fromiter((int(t) for one in token_ids for t in one), dtype=np.int32, count=sum(lengths))
+    columns: dict[str, pa.Array] = {
+        "index": pa.array(list(indices), type=pa.int64()),
+        "token_ids": _lists(flat_ids, lengths, pa.int32()),
+        "first_row": pa.array([s.first_row for s in scores], type=pa.int32()),
+    }
     if identity.logprobs:
-        columns["logprobs"] = [s.logprobs.numpy() for s in scores]
-        types["logprobs"] = pa.list_(pa.float32())
+        columns["logprobs"] = _lists(np.concatenate([s.logprobs.numpy() for s in scores]), rows, pa.float32())
     if identity.topk:
-        columns.update(topk_ids=[], topk_logprobs=[])
-        types.update(topk_ids=pa.binary(), topk_logprobs=pa.binary())
-        if identity.topk_form == "u8":
-            columns.update(topk_offset=[], topk_scale=[])
-            types.update(topk_offset=pa.list_(pa.float32()), topk_scale=pa.list_(pa.float32()))
-        _topk_columns(columns, scores, identity)
+        _topk_columns(columns, scores, rows, identity)
     if identity.score_ids_column:
-        columns["score_logprobs"] = [s.score_logprobs.float().numpy().tobytes() for s in scores]
-        columns["score_width"] = [s.score_logprobs.shape[1] for s in scores]
-        types.update(score_logprobs=pa.binary(), score_width=pa.int32())
+        columns["score_logprobs"] = pa.array([s.score_logprobs.float().numpy().tobytes() for s in scores],
+                                             type=pa.binary())
+        columns["score_width"] = pa.array([s.score_logprobs.shape[1] for s in scores], type=pa.int32())
     if identity.hidden_states:
         parts = [_hidden_bytes(s.hidden_states) for s in scores]
-        columns.update(hidden_states=[p[0] for p in parts], hidden_width=[p[1] for p in parts],
-                       hidden_dtype=[p[2] for p in parts])
-        types.update(hidden_states=pa.binary(), hidden_width=pa.int32(), hidden_dtype=pa.string())
-    return pa.table({name: pa.array(values, type=types[name]) for name, values in columns.items()})
+        columns["hidden_states"] = pa.array([p[0] for p in parts], type=pa.binary())
+        columns["hidden_width"] = pa.array([p[1] for p in parts], type=pa.int32())
+        columns["hidden_dtype"] = pa.array([p[2] for p in parts], type=pa.string())
+    return pa.table(columns)
 
 
 def write_shard(directory: Path, block: int, table: pa.Table, identity: DatasetIdentity) -> Path:
