@@ -106,6 +106,8 @@ class RowEncoder:
         self._tokenizer_dir = tokenizer_dir
         self._tokenizer = None
         self.score_ids_column = score_ids_column
+        if tokenizer_dir is not None:  # here, once: blocks are encoded in worker threads, and an import
+            self.tokenizer  # noqa: B018  (transformers' lazy one) racing in two threads fails
 
     @property
     def tokenizer(self):
