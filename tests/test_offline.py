@@ -1,8 +1,9 @@
 """Offline teacher signals through a real server: `proctor score-dataset`, its shards read back, the
 resume rule, the Ray Data job and `proctor verify-dataset`.
 
-One module-scoped server holds two torch teachers in replica workers: `tiny` (batch-invariant, so
-that two runs of a job write the same bytes) and `other` (other weights: another fingerprint).
+One module-scoped server holds two torch teachers: `tiny` in a replica worker (batch-invariant, so
+that two runs of a job write the same bytes) and `other` in the front (other weights: another
+fingerprint).
 One reference job (`stored`) is scored once and compared with everything else.
 """
 
@@ -48,18 +49,23 @@ ROWS = 96
 @pytest.fixture(scope="module")
 def teachers(tiny_model_dir, other_model_dir):
     from proctor.server.engines.base import EngineSpec
-    from proctor.server.front.fleet.routing import ReplicaSet, Router, engine_replica
+    from proctor.server.engines.factory import create_engine
+    from proctor.server.front.fleet.routing import Replica, ReplicaSet, Router, engine_replica
     from proctor.server.worker.replica_engine import create_replica_engine
 
     from support.servers import start_server
 
-    def teacher(name: str, path: Path, inference: dict) -> ReplicaSet:
-        spec = EngineSpec(name="torch", model_path=str(path), max_topk=K, inference=inference)
-        replica = engine_replica(f"{name}-0", partial(create_replica_engine, spec, name=f"{name}-0"))
-        return ReplicaSet(name, [replica], tokenizer_path=str(path))
+    tiny = EngineSpec(name="torch", model_path=str(tiny_model_dir), max_topk=K, inference={"batch_invariant": True})
+    other = EngineSpec(name="torch", model_path=str(other_model_dir), max_topk=K)
 
-    server = start_server(Router([teacher("tiny", tiny_model_dir, {"batch_invariant": True}),
-                                  teacher("other", other_model_dir, {})]))
+    async def build_other():  # in the front: it only has to answer with another fingerprint
+        return create_engine(other)
+
+    server = start_server(Router([
+        ReplicaSet("tiny", [engine_replica("tiny-0", partial(create_replica_engine, tiny, name="tiny-0"))],
+                   tokenizer_path=str(tiny_model_dir)),
+        ReplicaSet("other", [Replica("other-0", build_other)], tokenizer_path=str(other_model_dir)),
+    ]))
     yield f"grpc://{server.grpc_target}"
     server.stop()
 
@@ -271,5 +277,5 @@ def test_the_ray_data_job_writes_the_single_process_shards_and_resumes_the_same_
 def test_the_noisy_student_trains_from_the_stored_top_k_alone(stored, tiny_model_dir):
     from proctor.trainer_adapter.offline_demo import train_offline
 
-    logs = train_offline(stored, tiny_model_dir, steps=12, batch=8, sequences=16)
+    logs = train_offline(stored, tiny_model_dir, steps=8, batch=8, sequences=16)
     assert logs[-1]["loss"] < 0.5 * logs[0]["loss"]
