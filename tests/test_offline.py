@@ -279,3 +279,48 @@ def test_the_noisy_student_trains_from_the_stored_top_k_alone(stored, tiny_model
 
     logs = train_offline(stored, tiny_model_dir, steps=8, batch=8, sequences=16)
     assert logs[-1]["loss"] < 0.5 * logs[0]["loss"]
+
+
+def test_f16_score_ids_and_hidden_states_are_stored_as_online(teachers, source, tmp_path):
+    rows = [json.loads(line) for line in source.read_text().splitlines()[:BLOCK_ROWS]]
+    for row in rows:  # each row's ids to score: three ids a response row
+        row["student_ids"] = [[1, 2, i % 512] for i in range(len(row["token_ids"]) - row["prompt_length"])]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "f16"
+    asyncio.run(run_job(settings(path, out, teachers, topk_form="f16", score_ids_column="student_ids",
+                                 hidden_form="bfloat16")))
+    with SyncTeacherClient(teachers) as client:
+        for item in OfflineScores(out):
+            row = rows[item.index]
+            live = client.stream_hidden_states(item.token_ids, teacher_key="tiny", topk=K,
+                                               prompt_length=item.prompt_length, score_ids=row["student_ids"],
+                                               hidden_form="bfloat16")
+            assert item.scores.hidden_states.dtype == torch.bfloat16
+            torch.testing.assert_close(item.scores.hidden_states, live.hidden_states, rtol=0, atol=0)
+            torch.testing.assert_close(item.scores.score_logprobs, live.score_logprobs, rtol=0, atol=0)
+            assert ((item.scores.topk_logprobs - live.topk_logprobs).abs() <= item.topk_error).all()
+            assert item.topk_error.max() < 5e-3  # f16's stated error: |x| * 2^-11
+
+
+def test_text_rows_go_through_the_teachers_tokenizer_and_every_source_reads_the_same(tiny_model_dir, tmp_path):
+    import datasets
+    from transformers import AutoTokenizer
+
+    from proctor.client.offline.inputs import InputRows, RowEncoder
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    encoder = RowEncoder(tiny_model_dir)
+    both = encoder.encode(0, {"prompt": "the cat", "response": " sat down"})
+    prompt = tokenizer("the cat", add_special_tokens=False)["input_ids"]
+    assert both.token_ids == prompt + tokenizer(" sat down", add_special_tokens=False)["input_ids"]
+    assert both.prompt_length == len(prompt)
+    chat = encoder.encode(1, {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]})
+    head = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    assert chat.token_ids[: chat.prompt_length] == tokenizer(head, add_special_tokens=False)["input_ids"]
+    records = [{"token_ids": [1, 2, 3, i], "prompt_length": 2} for i in range(5)]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    pq.write_table(pa.Table.from_pylist(records), tmp_path / "rows.parquet")
+    datasets.Dataset.from_list(records).save_to_disk(str(tmp_path / "saved"))
+    for name in ("rows.jsonl", "rows.parquet", "saved"):
+        assert InputRows(str(tmp_path / name)).rows(1, 4) == records[1:4]
