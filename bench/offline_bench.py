@@ -12,7 +12,9 @@ of its own (the job and the online client share this one):
 2. throughput: rounds alternating the online path (`TeacherClient.score_many`, the same K,
    concurrency and prompt lengths, answers dropped) and the job (`run_job`: read, score, encode,
    write shards), fresh sequences every round so that no round reads a prefix another left;
-   scored positions a second each, and their ratio (median over rounds).
+   scored positions a second each, and their ratio (median over rounds; the order alternates), and
+   the client-side CPU a position costs each (this process's: what the job adds beside the
+   server's work, a figure machine load moves little).
 
     PYTHONPATH=.shim .venv/bin/python bench/offline_bench.py [--seqs 512] [--rounds 3] [--quick]
 """
@@ -129,19 +131,27 @@ def main() -> None:
         print(f"{'int32 ids + float16 (common)':30s}{'384.0':>15s}{'384.0':>19s}  {'(the layout the goal halves)':>30s}")
         for form, whole, signal, kl in forms:
             print(f"{form + (' (main)' if form == codecs.MAIN_FORM else ''):30s}{whole:15.1f}{signal:19.1f}  {kl:30.2e}")
-        ratios = []
+        ratios, cpu = [], {"online": [], "job": []}
         for round_ in range(args.rounds):
             seed = 100 + 2 * round_
-            positions, seconds = asyncio.run(online_round(target, workload(args.seqs, seed, 512, length), args.concurrency))
-            online = positions / seconds
-            directory = Path(tmp) / f"round{round_}"
-            directory.mkdir()
-            positions, seconds = job_round(target, workload(args.seqs, seed + 1, 512, length), args.concurrency, directory)
-            job = positions / seconds
-            ratios.append(job / online)
-            print(f"round {round_}: online gRPC {online:9.0f} positions/s   score-dataset {job:9.0f} positions/s   "
-                  f"job/online {job / online:.2f}x")
+            rates = {}
+            for path in ("online", "job") if round_ % 2 == 0 else ("job", "online"):  # order alternates
+                work = workload(args.seqs, seed + (path == "job"), 512, length)
+                used = time.process_time()
+                if path == "online":
+                    positions, seconds = asyncio.run(online_round(target, work, args.concurrency))
+                else:
+                    directory = Path(tmp) / f"round{round_}"
+                    directory.mkdir()
+                    positions, seconds = job_round(target, work, args.concurrency, directory)
+                rates[path] = positions / seconds
+                cpu[path].append((time.process_time() - used) / positions * 1e6)
+            ratios.append(rates["job"] / rates["online"])
+            print(f"round {round_}: online gRPC {rates['online']:9.0f} positions/s   score-dataset {rates['job']:9.0f} "
+                  f"positions/s   job/online {ratios[-1]:.2f}x", flush=True)
         print(f"score-dataset throughput / online gRPC path: {statistics.median(ratios):.2f}x (median of {args.rounds})")
+        print(f"client-side CPU per position (this process; the server's is the same work): online "
+              f"{statistics.median(cpu['online']):.1f} us, score-dataset {statistics.median(cpu['job']):.1f} us")
     finally:
         server.stop()
         shutil.rmtree(tmp, ignore_errors=True)
