@@ -300,6 +300,8 @@ def check_config(config: Path = typer.Argument(..., help="YAML config to check."
 # The commands that run the trainer side against a server (their module composes with the client).
 app.command(short_help="Check that a running server's replicas agree on the same sequences.")(trainer_side.verify)
 app.command()(trainer_side.demo)
+app.command("score-dataset")(trainer_side.score_dataset)
+app.command("verify-dataset")(trainer_side.verify_dataset)
 
 
 def main() -> None:

@@ -1,5 +1,6 @@
 """The `proctor` commands that run the trainer side: `verify` (a client of a running server: do its
-replicas agree) and `demo` (serves the tiny teacher and distils a student from it).
+replicas agree), `demo` (serves the tiny teacher and distils a student from it), and the offline
+job's `score-dataset` and `verify-dataset` (clients of a running teacher: `proctor.client.offline`).
 
 With `server/cli/main.py`, which registers them, this is the one place where the server and the
 client are composed (DESIGN §2); every import of the client stays inside these commands.
@@ -105,3 +106,76 @@ def _cross_tokenizer_demo(*, steps: int, loss: str | None, transport: str, out: 
         target = f"grpc://{server.grpc_target}" if transport == "grpc" else server.http_url
         code = run_cross_tokenizer_demo(target, student, "tiny-student", steps=steps, loss=loss, out=out, seed=seed)
     raise typer.Exit(code)
+
+
+def score_dataset(
+    source: str = typer.Argument(..., help="JSONL or Parquet file, a `datasets` directory, or a dataset name."),
+    out: Path = typer.Option(..., help="Directory of the stored dataset (shards and manifest.json)."),
+    target: str = typer.Option("grpc://127.0.0.1:50051", help="grpc://host:port or http://host:port of the teacher."),
+    teacher: str | None = typer.Option(None, help="Teacher routing key (optional with one teacher)."),
+    topk: int = typer.Option(64, help="K: top-k ids and log-probs per row (0: none)."),
+    topk_form: str = typer.Option("u8", help="Top-k log-prob form: u8 (8 bits, per-row scale and offset) | f16 | f32."),
+    temperature: float | None = typer.Option(None, help="Teacher temperature (default 1)."),
+    logprobs: bool = typer.Option(True, help="Store the sampled token's log-prob (float32)."),
+    score_ids_column: str = typer.Option("", help="Input column of ids to score per row (R lists); stored as score_logprobs."),
+    hidden_form: str | None = typer.Option(None, help="Store hidden states in this wire form (exact | float32 | bfloat16 "
+                                           "| fp8 | projected | projected_fp8); default: none."),
+    tokenizer: Path | None = typer.Option(None, help="The teacher's tokenizer directory, for text or messages rows."),
+    split: str = typer.Option("train", help="Split of a dataset given by name."),
+    block_rows: int = typer.Option(256, help="Sequences per block (one shard each); fixed for a dataset's life."),
+    max_concurrency: int = typer.Option(64, help="Requests in flight."),
+    ray: bool = typer.Option(False, "--ray", help="Run as a Ray Data pipeline (joins --ray-address, else starts Ray)."),
+    ray_address: str | None = typer.Option(None, help="Ray cluster address for --ray."),
+    ray_actors: int = typer.Option(2, help="Scoring actors for --ray."),
+    token: str | None = typer.Option(None, envvar="PROCTOR_AUTH_TOKEN", help="Bearer token."),
+) -> None:
+    """Score a dataset once through a running teacher into small Parquet shards; run again to resume."""
+    from proctor.client import TeacherError
+    from proctor.client.offline import IdentityMismatch, JobSettings, run_job
+    from proctor.client.offline.inputs import InputError
+    from proctor.client.offline.progress import JobProgress
+    from proctor.client.offline.ray_job import run_ray_job
+
+    progress = JobProgress()
+    try:
+        settings = JobSettings(source=source, out=str(out), target=target, teacher_key=teacher, topk=topk,
+                               temperature=temperature, topk_form=topk_form, logprobs=logprobs,
+                               score_ids_column=score_ids_column,
+                               hidden_form=None if hidden_form is None else hidden_form.replace("exact", ""),
+                               block_rows=block_rows, max_concurrency=max_concurrency,
+                               tokenizer=str(tokenizer) if tokenizer else None, split=split, token=token)
+        if ray:
+            report = run_ray_job(settings, actors=ray_actors, address=ray_address, on_shard=progress.on_shard,
+                                 on_start=progress.on_start)
+        else:
+            report = asyncio.run(run_job(settings, on_shard=progress.on_shard, on_start=progress.on_start))
+    except (IdentityMismatch, InputError, TeacherError, ValueError, OSError) as exc:
+        typer.echo(f"proctor score-dataset: {exc}", err=True)
+        raise typer.Exit(1) from None
+    finally:
+        progress.close()
+    typer.echo(f"score-dataset: {report.rows} rows ({report.positions} positions) in {len(report.written)} new "
+               f"shards, {report.skipped} blocks already stored, {report.seconds:.1f}s; {out / 'manifest.json'}")
+
+
+def verify_dataset(
+    directory: Path = typer.Argument(..., help="A stored dataset's directory."),
+    target: str = typer.Option(..., help="grpc://host:port or http://host:port of the teacher."),
+    teacher: str | None = typer.Option(None, help="Teacher routing key (default: the stored teacher's name)."),
+    sample: int = typer.Option(64, help="Sequences re-scored."),
+    seed: int = typer.Option(0),
+    token: str | None = typer.Option(None, envvar="PROCTOR_AUTH_TOKEN", help="Bearer token."),
+) -> None:
+    """Re-score a random sample of stored sequences against a live teacher; exit 1 on a mismatch."""
+    from proctor.client import TeacherError
+    from proctor.client.offline.verify import verify_dataset as verify_stored
+
+    try:
+        report = asyncio.run(verify_stored(directory, target, sample=sample, seed=seed, teacher_key=teacher,
+                                           token=token))
+    except (TeacherError, ValueError, OSError) as exc:
+        typer.echo(f"proctor verify-dataset: {exc}", err=True)
+        raise typer.Exit(1) from None
+    for line in report.lines():
+        typer.echo(line)
+    raise typer.Exit(0 if report.ok else 1)
