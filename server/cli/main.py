@@ -229,8 +229,10 @@ def _serve_until_stopped(router: Router, options: ServerOptions, *, switch_inter
 @app.command()
 def score(
     ids: str | None = typer.Option(None, help="Comma-separated token ids."),
-    text: str | None = typer.Option(None, help="Text to tokenize with --tokenizer."),
-    tokenizer: Path | None = typer.Option(None, help="Tokenizer directory for --text (default: the tiny teacher)."),
+    text: str | None = typer.Option(None, help="Text to tokenize with --tokenizer (refused unless that tokenizer's "
+                                    "fingerprint is the teacher's, as the server reports it)."),
+    tokenizer: Path | None = typer.Option(None, metavar="DIR", help="The teacher's tokenizer directory, for --text "
+                                          "(default: the built-in tiny teacher's)."),
     target: str = typer.Option("grpc://127.0.0.1:50051", help="grpc://host:port or http://host:port"),
     teacher_key: str = typer.Option("", help="Routing key (optional with one teacher)."),
     prompt_length: int | None = typer.Option(None, help="First response position."),
@@ -238,12 +240,13 @@ def score(
     token: str | None = typer.Option(None, envvar="PROCTOR_AUTH_TOKEN", help="Bearer token."),
 ) -> None:
     """Score token ids or text against a running server and print a table."""
-    from proctor.server.cli.score import format_table, score_once, tokenize
+    from proctor.server.cli.score import check_teacher_tokenizer, format_table, score_once, tokenize
 
     if (ids is None) == (text is None):
         raise typer.BadParameter("give exactly one of --ids or --text")
     tok = None
     if text is not None:
+        check_teacher_tokenizer(target, teacher_key, tokenizer, token)
         tok, token_ids = tokenize(text, tokenizer)
     else:
         try:
