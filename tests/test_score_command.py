@@ -13,14 +13,15 @@ import re
 
 import pytest
 import torch
-from support.reference import assert_matches_reference
-from support.servers import start_server
 from transformers import AutoTokenizer
 from typer.testing import CliRunner
 
 from proctor.server.cli.main import app
 from proctor.server.config import single_teacher_router
 from proctor.server.engines.base import EngineSpec
+
+from support.reference import assert_matches_reference
+from support.servers import start_server
 
 TEXT = "The quick brown fox"
 

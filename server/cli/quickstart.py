@@ -40,7 +40,8 @@ def tiny_teacher(*, max_topk: int = 64, kind: str = "text", student_tokenizers: 
     spec = EngineSpec(name="torch", model_path=str(model), max_topk=max_topk,
                       inference={"hidden_projection_rank": projection_rank} if projection_rank else {})
     options = ServerOptions(grpc_port=0, http_port=0, student_tokenizers=dict(student_tokenizers or {}))
-    with ServerThread(single_teacher_router(spec, name="tiny"), options) as server:
+    # Named as `proctor serve` names its one teacher, so the demo's tables read as a served teacher's.
+    with ServerThread(single_teacher_router(spec, name="default"), options) as server:
         yield server, model
 
 

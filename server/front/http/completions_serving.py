@@ -144,7 +144,12 @@ class CompletionsServing:
     async def _score(self, request: Request, raw: bytes) -> _Scored:
         large = len(raw) > INLINE_BODY_BYTES
         ask = await off_loop_if(large, _parse, raw)
-        teacher_set = self.service.route(_template(ask))
+        try:
+            teacher_set = self.service.route(_template(ask))
+        except ScoringError as exc:  # the routing rule's words, under the name this surface gives the key
+            if exc.field != "teacher_key":
+                raise
+            raise ScoringError(exc.code, exc.message.replace("teacher_key:", "model:", 1), field="model") from None
         tokenizer = await self.tokenizers.tokenizer(teacher_set)
         texts = any(isinstance(prompt, str) for prompt in ask.prompts)
         built = await off_loop_if(large or texts, build_requests, ask, teacher_set.name, tokenizer)
