@@ -81,8 +81,7 @@ def demo(
     rank = DEMO_PROJECTION_RANK if hidden_form in ("projected", "projected_fp8") else 0
     print(f"proctor demo: serves the tiny {teacher} teacher (as `proctor serve` does: teacher 'default'), "
           + ("scores two sequences through gRPC and HTTP (the tables), " if teacher == "text" else "")
-          + f"then distils a noisy student with {loss_line(loss)}
-", flush=True)
+          + f"then distils a noisy student with {loss_line(loss)}\n", flush=True)
     with tiny_teacher(kind=teacher, projection_rank=rank) as (server, model_dir):
         if teacher == "text":
             print_quickstart(server, model_dir)
