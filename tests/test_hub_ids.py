@@ -68,8 +68,9 @@ def test_an_id_not_in_the_cache_offline_is_one_line_naming_hf_download(offline_h
 
 def test_check_config_shows_where_an_id_resolves(offline_hub, tmp_path):
     config = tmp_path / "hub.yaml"
-    config.write_text("distillation:\n  teacher_models:\n    t:\n      model_path: tiny-org/tiny-teacher\n"
-                      "      inference: {name: torch}\n")
+    config.write_text("distillation:\n  n_gpus_per_node: 1\n  nnodes: 1\n  teacher_models:\n    t:\n"
+                      "      model_path: tiny-org/tiny-teacher\n      inference: {name: torch, tensor_model_parallel_size: 1}\n"
+                      "server: {device: cpu}\n")
     done = _run("check-config", str(config))
     assert done.returncode == 0, done.stdout + done.stderr
     snapshot = offline_hub / "models--tiny-org--tiny-teacher" / "snapshots" / REVISION
