@@ -32,8 +32,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=N
 
 
 class _PlainUsage(typer.core.TyperCommand):
-    """A usage line naming a required argument as `OUT_DIR`, not typer's `{OUT_DIR}` (which reads as
-    an unfilled template)."""
+    """A usage line naming a required argument `OUT_DIR`, not typer's `{OUT_DIR}` (an unfilled template?)."""
 
     def collect_usage_pieces(self, ctx) -> list[str]:
         return [piece.strip("{}") for piece in super().collect_usage_pieces(ctx)]

@@ -4,7 +4,6 @@ whether it serves hidden states, and its limits; and the checks that need the wh
 
 from __future__ import annotations
 
-import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -23,11 +22,6 @@ from proctor.server.engines.base import EngineConfigError, EngineSpec
 from proctor.server.engines.checks import check_model_path
 from proctor.server.engines.fingerprint import model_architecture
 from proctor.server.worker.pool import PlacementError, PlacementPlan, TeacherDemand, plan_placement
-
-if typing.TYPE_CHECKING:
-    pass
-
-
 
 # ------------------------------------------------------------------------------------------
 # Resolving: teachers, engines, placement
@@ -131,9 +125,8 @@ def _engine_problems(
         # keeps each prefill chunk's outputs, so there chunked prefill and any step size work.
         if engine == "vllm_omni":  # its output mode and model family (a VL model is no Omni Thinker)
             from proctor.server.engines.vllm_omni.config import omni_pipeline
-
-            omni = EngineSpec(name=engine, model_path=str(teacher.model_path), inference={"engine_kwargs": inf.engine_kwargs})
-            calls.append(lambda: omni_pipeline(omni))
+            calls.append(lambda: omni_pipeline(EngineSpec(name=engine, model_path=str(teacher.model_path),
+                                                          inference={"engine_kwargs": inf.engine_kwargs})))
         if loss.is_hidden_state and engine == "vllm_omni":
             calls.append(lambda: checks.check_hidden_states_prefill(inf.enable_chunked_prefill))
             calls.append(lambda: checks.check_batched_tokens(inf.max_num_batched_tokens, *lengths))
