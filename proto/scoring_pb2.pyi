@@ -186,7 +186,7 @@ class ReplicaInfo(_message.Message):
     def __init__(self, replica_id: _Optional[str] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., devices: _Optional[_Iterable[str]] = ..., node: _Optional[str] = ..., drift: _Optional[float] = ..., drift_checks: _Optional[int] = ...) -> None: ...
 
 class TeacherInfo(_message.Message):
-    __slots__ = ("name", "model", "fingerprint", "vocab_size", "hidden_size", "max_model_len", "max_topk", "outputs", "replicas", "engine", "dtype", "keys", "media", "score_ids_method", "aligned_vocabularies", "chat_template", "batch_invariant", "max_drift", "hidden_forms", "projection_rank", "projection_energy")
+    __slots__ = ("name", "model", "fingerprint", "vocab_size", "hidden_size", "max_model_len", "max_topk", "outputs", "replicas", "engine", "dtype", "keys", "media", "score_ids_method", "aligned_vocabularies", "chat_template", "tokenizer_fingerprint", "batch_invariant", "max_drift", "hidden_forms", "projection_rank", "projection_energy")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -203,6 +203,7 @@ class TeacherInfo(_message.Message):
     SCORE_IDS_METHOD_FIELD_NUMBER: _ClassVar[int]
     ALIGNED_VOCABULARIES_FIELD_NUMBER: _ClassVar[int]
     CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     BATCH_INVARIANT_FIELD_NUMBER: _ClassVar[int]
     MAX_DRIFT_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FORMS_FIELD_NUMBER: _ClassVar[int]
@@ -224,12 +225,13 @@ class TeacherInfo(_message.Message):
     score_ids_method: str
     aligned_vocabularies: _containers.RepeatedCompositeFieldContainer[AlignedVocabulary]
     chat_template: bool
+    tokenizer_fingerprint: str
     batch_invariant: bool
     max_drift: float
     hidden_forms: _containers.RepeatedScalarFieldContainer[str]
     projection_rank: int
     projection_energy: float
-    def __init__(self, name: _Optional[str] = ..., model: _Optional[str] = ..., fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_topk: _Optional[int] = ..., outputs: _Optional[_Iterable[str]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., engine: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., keys: _Optional[_Iterable[str]] = ..., media: _Optional[_Iterable[str]] = ..., score_ids_method: _Optional[str] = ..., aligned_vocabularies: _Optional[_Iterable[_Union[AlignedVocabulary, _Mapping]]] = ..., chat_template: _Optional[bool] = ..., batch_invariant: _Optional[bool] = ..., max_drift: _Optional[float] = ..., hidden_forms: _Optional[_Iterable[str]] = ..., projection_rank: _Optional[int] = ..., projection_energy: _Optional[float] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., model: _Optional[str] = ..., fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_topk: _Optional[int] = ..., outputs: _Optional[_Iterable[str]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., engine: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., keys: _Optional[_Iterable[str]] = ..., media: _Optional[_Iterable[str]] = ..., score_ids_method: _Optional[str] = ..., aligned_vocabularies: _Optional[_Iterable[_Union[AlignedVocabulary, _Mapping]]] = ..., chat_template: _Optional[bool] = ..., tokenizer_fingerprint: _Optional[str] = ..., batch_invariant: _Optional[bool] = ..., max_drift: _Optional[float] = ..., hidden_forms: _Optional[_Iterable[str]] = ..., projection_rank: _Optional[int] = ..., projection_energy: _Optional[float] = ...) -> None: ...
 
 class AlignedVocabulary(_message.Message):
     __slots__ = ("student_tokenizer", "exact_matches", "identical")

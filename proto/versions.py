@@ -159,6 +159,9 @@ def _install_hint(component: str, rows: tuple[Claim, ...]) -> str:
     requirement itself (a base dependency, or one of the broad server/dev extras)."""
     if component == PYTHON:
         return "run proctor on a supported Python"
+    if component == "vllm-omni":  # it pins its own vLLM, transformers and torch: an environment of its own
+        return ("build .venv-omni with scripts/install_omni.sh and serve from it (.venv-omni/bin/proctor); "
+                "the Ascend image: pip install 'proctor[omni-ascend]'")
     own = [f"'proctor[{r.extra}]'" for r in rows if r.extra and r.extra not in BROAD_EXTRAS]
     if own:
         return "pip install " + " or ".join(dict.fromkeys(own))

@@ -359,7 +359,8 @@ def test_serve_with_a_missing_model_directory_says_so_in_one_line(tmp_path):
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
     assert done.stderr.strip().splitlines() == [
         f"proctor: cannot serve: model_path '{tmp_path / 'teacher'}' does not exist: fix the path, or put a model "
-        f"there first (a Hugging Face model: `huggingface-cli download <repo> --local-dir {tmp_path / 'teacher'}`; "
+        f"there first (a Hugging Face model: `hf download <org>/<name> --local-dir {tmp_path / 'teacher'}`, or set model_path "
+        f"to the id itself; "
         f"a tiny random test teacher: `proctor make-tiny-model {tmp_path / 'teacher'} [--seed N]`)"]
 
 

@@ -48,12 +48,13 @@ def test_fp8_hidden_states_demo_falls_like_the_exact_one(tmp_path):
     """`--hidden-form fp8`: the teacher's hidden states travel as fp8 rows (over HTTP here, the
     other transport) and the loss falls as the exact form's does (same seed, same student)."""
     curves = {}
-    for form in ("", "fp8"):
-        out = tmp_path / (form or "exact")
+    for form in ("", "fp8"):  # into one folder: each form's plot and log beside the other's
         result = CliRunner().invoke(app, ["demo", "--steps", "8", "--transport", "http", "--hidden-form", form,
-                                          "--out", str(out), "--seed", "0"])
+                                          "--out", str(tmp_path), "--seed", "0"])
         assert result.exit_code == 0, result.output
-        curves[form] = [e["loss"] for e in json.loads((out / "loss_full_forward_kl.json").read_text())]
+        stem = "loss_full_forward_kl_fp8" if form else "loss_full_forward_kl"
+        curves[form] = [e["loss"] for e in json.loads((tmp_path / f"{stem}.json").read_text())]
+    assert (tmp_path / "loss_full_forward_kl.png").is_file() and (tmp_path / "loss_full_forward_kl_fp8.png").is_file()
     exact, fp8 = curves[""], curves["fp8"]
     assert fp8[-1] < 0.5 * fp8[0], fp8
     assert abs(fp8[-1] / fp8[0] - exact[-1] / exact[0]) < 0.05, (exact, fp8)

@@ -123,12 +123,15 @@ def test_anything_but_scoring_is_refused_with_a_clear_400(served, body, param):
 def test_unknown_model_is_404_in_openais_shape_and_health_and_models_answer(served):
     response = _post(served, {"model": "lmsys/chat", "prompt": [1, 2, 3], "max_tokens": 1, "prompt_logprobs": 1})
     assert response.status_code == 404
-    assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == "model" and error["message"].startswith("model: no teacher for key 'lmsys/chat'")  # as vLLM
     assert httpx.get(served.http_url + "/health").status_code == 200
     models = httpx.get(served.http_url + "/v1/models").json()["data"]
     assert [(m["id"], m["max_model_len"]) for m in models] == [(MATH, 256), (GEO, 256)]
     # without `model` two teachers are ambiguous (one teacher: model may be left out, below)
-    assert _post(served, {"prompt": [1, 2, 3], "max_tokens": 1, "prompt_logprobs": 1}).status_code == 400
+    ambiguous = _post(served, {"prompt": [1, 2, 3], "max_tokens": 1, "prompt_logprobs": 1})
+    assert ambiguous.status_code == 400 and ambiguous.json()["error"]["param"] == "model"
 
 
 def test_one_teacher_needs_no_model_and_text_prompts_use_its_tokenizer(torch_server, tiny_model_dir):

@@ -193,7 +193,8 @@ def test_serve_takes_the_run_release_and_refuses_others_in_one_line(omni_model):
     assert run.stdout.splitlines() == [
         "0.30.0",
         "vLLM-Omni 0.29.0 is installed, but proctor supports vLLM-Omni 0.30.0 or 0.18.0: "
-        "pip install 'proctor[omni]' or 'proctor[omni-ascend]'",
+        "build .venv-omni with scripts/install_omni.sh and serve from it (.venv-omni/bin/proctor); "
+        "the Ascend image: pip install 'proctor[omni-ascend]'",
     ]
     refused = subprocess.run([sys.executable, "-m", "proctor.server.cli.main", "serve", "--engine", "vllm_omni",
                               "--model", str(omni_model)], capture_output=True, text=True, timeout=120)

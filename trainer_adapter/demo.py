@@ -259,6 +259,11 @@ def option_error(*, steps: int, loss: str, transport: str, teacher: str = "text"
     return None
 
 
+def loss_line(loss: str) -> str:
+    """What the loss is, in its unit, and its loss_mode name (the demo's first lines say it)."""
+    return f"loss {loss}: {MEANINGS[loss]}, in {UNIT} (the loss library's loss_mode {LOSSES[loss]!r}, verl-omni's name)"
+
+
 def run_demo(targets: Mapping[str, str], model_dir: Path, *, steps: int = 30, loss: str = "full_forward_kl",
              transport: str = "grpc", out: Path = Path("out"), seed: int = 0, teacher: str = "text",
              **overrides) -> int:
@@ -283,17 +288,18 @@ def run_demo(targets: Mapping[str, str], model_dir: Path, *, steps: int = 30, lo
     print(f"on-policy distillation of the {teacher} teacher{form}: transport {transport}, {steps} steps, "
           f"{len(PROMPTS)} prompts x {settings.samples_per_prompt} samples x {settings.response_length} tokens, "
           f"sampled in {settings.groups} batches")
-    print(f"loss {loss}: {MEANINGS[loss]}, in {UNIT} (the loss library's loss_mode {LOSSES[loss]!r}, verl-omni's name)")
+    print(loss_line(loss))
     started = time.monotonic()
     logs = train(targets[transport], student, settings)
     elapsed = time.monotonic() - started
     losses = [log.loss for log in logs]
-    plot = out / f"loss_{loss}.png"
+    stem = f"loss_{loss}_{settings.hidden_form}" if settings.hidden_form else f"loss_{loss}"  # a form beside the exact
+    plot, log_file = out / f"{stem}.png", out / f"{stem}.json"
     writer = plot_losses(plot, losses, [log.loss_min for log in logs], [log.loss_max for log in logs],
-                         f"proctor demo: {loss} over {transport}", unit=UNIT)
-    (out / f"loss_{loss}.json").write_text(json.dumps([log.__dict__ for log in logs], indent=1))
+                         f"proctor demo: {loss}{form} over {transport}", unit=UNIT)
+    log_file.write_text(json.dumps([log.__dict__ for log in logs], indent=1))
     ratio = losses[-1] / losses[0] if losses[0] else float("nan")
     drawn = "matplotlib" if writer == "matplotlib" else "a bare curve without axis text: install matplotlib for one"
     print(f"\nloss {losses[0]:.4f} -> {losses[-1]:.4f} {UNIT} (x{ratio:.3f}) in {elapsed:.1f}s; "
-          f"plot {plot} ({drawn}), log {out / f'loss_{loss}.json'}")
+          f"plot {plot} ({drawn}), log {log_file}")
     return 0

@@ -86,5 +86,22 @@ def main(config: Any) -> None:
     run(config)
 
 
+# Printed above Hydra's help of verl's config, which never names proctor.
+PROCTOR_HELP = """proctor's verl entrypoint: verl's main_ppo with proctor teachers and no teacher resource pool.
+proctor's keys (verl's own config and overrides follow, unchanged):
+  +proctor.target=grpc://HOST:50051    the proctor server (or http://HOST:8000); required
+  +proctor.token_env=NAME              environment variable holding the server's bearer token
+  +proctor.max_concurrency=N           scoring calls in flight
+  +proctor.timeout=SECONDS             deadline of one scoring call
+  +proctor.hidden_states=true          also fetch teacher_hidden_states (verl 0.9.1's actor does not use them)
+  +proctor.teachers.<verl key>=NAME    the proctor teacher a verl teacher key maps to (trainer_adapter/README.md)
+  distillation.n_gpus_per_node=0 distillation.nnodes=0    accepted: no teacher pool
+  distillation.distillation_loss.loss_mode=topk_reverse_kl|topk_jsd    proctor's renormalised top-k losses
+"""
+
 if __name__ == "__main__":
+    import sys
+
+    if {"--help", "-h"} & set(sys.argv[1:]):
+        print(PROCTOR_HELP, flush=True)
     main()

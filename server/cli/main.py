@@ -31,6 +31,13 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=N
                   help="Proctor: teacher scoring for on-policy distillation.")
 
 
+class _PlainUsage(typer.core.TyperCommand):
+    """A usage line naming a required argument `OUT_DIR`, not typer's `{OUT_DIR}` (an unfilled template?)."""
+
+    def collect_usage_pieces(self, ctx) -> list[str]:
+        return [piece.strip("{}") for piece in super().collect_usage_pieces(ctx)]
+
+
 def _logging(verbose: bool) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if verbose:
@@ -76,7 +83,7 @@ def _refuse_unsupported_versions(engines: list[str]) -> None:
 
 @app.command()
 def serve(
-    model: Path | None = typer.Option(None, help="Local Hugging Face model directory (default: the built-in tiny teacher)."),
+    model: str | None = typer.Option(None, metavar="DIR|ORG/NAME", help="A model directory or Hugging Face id (resolved as vLLM does: the hub cache, downloaded there unless HF_HUB_OFFLINE=1; default: the built-in tiny teacher)."),
     engine: str = typer.Option("torch", help="torch | vllm | vllm_omni"),
     config: Path | None = typer.Option(None, help="YAML with verl's `distillation:` block and a `server:` block."),
     host: str | None = typer.Option(None, help="Address to bind [default: 127.0.0.1; 0.0.0.0 accepts other machines]."),
@@ -91,7 +98,7 @@ def serve(
     startup_timeout_s: float = typer.Option(1800.0, help="Seconds a replica may take to start before it fails with its log tail."),
     inference: list[str] = typer.Option([], "--inference", metavar="KEY=VALUE", help="Engine setting KEY=VALUE (value parsed as JSON when it can be), e.g. gpu_memory_utilization=0.2; repeatable."),
     teacher_name: str = typer.Option("default", help="Name (and routing key) of the teacher."),
-    student_tokenizer: list[str] = typer.Option([], "--student-tokenizer", help="A student tokenizer KEY=DIR that "
+    student_tokenizer: list[str] = typer.Option([], "--student-tokenizer", metavar="KEY=DIR", help="A student tokenizer KEY=DIR that "
                                                 "aligned requests may name (loaded at start); repeatable."),
     auth_token_file: Path | None = typer.Option(None, help="File holding the bearer token required on scoring calls."),
     allow_unauthenticated: bool = typer.Option(False, "--allow-unauthenticated", envvar="PROCTOR_ALLOW_UNAUTHENTICATED", help="Serve a non-loopback --host with no auth token (refused otherwise)."),
@@ -123,7 +130,8 @@ def serve(
 
         try:  # a missing --model directory, a bad --inference value (the drift check's, say)
             spec = _flag_spec(model, engine=engine, device=device, dtype=dtype, max_topk=max_topk,
-                              max_model_len=max_model_len, inference=inference, startup_timeout_s=startup_timeout_s)
+                              max_model_len=max_model_len, inference=inference, startup_timeout_s=startup_timeout_s,
+                              replicas=replicas)
             router = single_teacher_router(spec, name=teacher_name, replicas=replicas,
                                            health_check_interval_s=health_check_interval_s)
         except EngineConfigError as exc:
@@ -154,8 +162,10 @@ def _config_router(plan: ServingPlan, *, host: str | None, grpc_port: int | None
     command line win over the config file's server block."""
     from proctor.server.config import build_router, server_options
     from proctor.server.engines.base import EngineConfigError
+    from proctor.server.engines.checks import check_device
 
     try:
+        check_device(plan.device_kind)  # here, not in check-config: a plan may be checked off its machine
         router, options = build_router(plan), server_options(plan, host=host)
     except EngineConfigError as exc:  # a teacher's settings the plan could not judge alone
         typer.echo(f"proctor: cannot serve: {exc}", err=True)
@@ -167,17 +177,27 @@ def _config_router(plan: ServingPlan, *, host: str | None, grpc_port: int | None
     return router, options
 
 
-def _flag_spec(model: Path | None, *, engine: str, device: str, dtype: str, max_topk: int,
-               max_model_len: int | None, inference: list[str], startup_timeout_s: float) -> EngineSpec:
+def _flag_spec(model: str | None, *, engine: str, device: str, dtype: str, max_topk: int,
+               max_model_len: int | None, inference: list[str], startup_timeout_s: float, replicas: int) -> EngineSpec:
     """The one teacher's EngineSpec from the flags (without a config file): the built-in tiny
-    teacher unless --model names one (checked here: a missing directory is one line, not a
-    replica's traceback), hidden states served unless --inference turns them off."""
+    teacher unless --model names one, hidden states served unless --inference turns them off.
+    Checked here, each by its rule's home, so that a bad flag is one line and not a replica's
+    traceback: the replica count, the engine's name, the device, the --inference keys (the config
+    file's unknown-key rule) and the model."""
     from proctor.server.cli.tiny_model import ensure_default_model
-    from proctor.server.engines.base import EngineSpec
-    from proctor.server.engines.checks import check_model_path
+    from proctor.server.config.reading import inference_flag_problems
+    from proctor.server.engines.base import EngineConfigError, EngineSpec
+    from proctor.server.engines.checks import check_device, check_engine_name, check_model_path
 
-    path = check_model_path(model) if model is not None else ensure_default_model()
+    if replicas < 1:
+        raise EngineConfigError(f"--replicas is {replicas}: a teacher needs at least 1 replica")
+    check_engine_name(engine)
+    check_device(device)
     settings = _parse_settings(inference)
+    problems = inference_flag_problems(settings)
+    if problems:
+        raise EngineConfigError("; ".join(problems))
+    path = check_model_path(model, download=True) if model is not None else ensure_default_model()
     if max_model_len:
         settings["max_model_len"] = max_model_len
     hidden_states = settings.pop("hidden_states", True) is not False
@@ -229,8 +249,10 @@ def _serve_until_stopped(router: Router, options: ServerOptions, *, switch_inter
 @app.command()
 def score(
     ids: str | None = typer.Option(None, help="Comma-separated token ids."),
-    text: str | None = typer.Option(None, help="Text to tokenize with --tokenizer."),
-    tokenizer: Path | None = typer.Option(None, help="Tokenizer directory for --text (default: the tiny teacher)."),
+    text: str | None = typer.Option(None, help="Text to tokenize with --tokenizer (refused unless that tokenizer's "
+                                    "fingerprint is the teacher's, as the server reports it)."),
+    tokenizer: Path | None = typer.Option(None, metavar="DIR", help="The teacher's tokenizer directory, for --text "
+                                          "(default: the built-in tiny teacher's)."),
     target: str = typer.Option("grpc://127.0.0.1:50051", help="grpc://host:port or http://host:port"),
     teacher_key: str = typer.Option("", help="Routing key (optional with one teacher)."),
     prompt_length: int | None = typer.Option(None, help="First response position."),
@@ -238,25 +260,37 @@ def score(
     token: str | None = typer.Option(None, envvar="PROCTOR_AUTH_TOKEN", help="Bearer token."),
 ) -> None:
     """Score token ids or text against a running server and print a table."""
-    from proctor.server.cli.score import format_table, score_once, tokenize
+    from proctor.server.cli.score import (
+        ScoreFailed,
+        check_teacher_tokenizer,
+        format_table,
+        score_once,
+        tokenize,
+    )
 
     if (ids is None) == (text is None):
         raise typer.BadParameter("give exactly one of --ids or --text")
     tok = None
-    if text is not None:
-        tok, token_ids = tokenize(text, tokenizer)
-    else:
-        try:
-            token_ids = [int(x) for x in ids.split(",") if x.strip()]
-        except ValueError as exc:
-            raise typer.BadParameter(f"--ids must be comma-separated integers: {exc}") from exc
-    result = score_once(target, token_ids, teacher_key=teacher_key, prompt_length=prompt_length, topk=topk, token=token)
+    try:
+        if text is not None:
+            check_teacher_tokenizer(target, teacher_key, tokenizer, token)
+            tok, token_ids = tokenize(text, tokenizer)
+        else:
+            try:
+                token_ids = [int(x) for x in ids.split(",") if x.strip()]
+            except ValueError as exc:
+                raise typer.BadParameter(f"--ids must be comma-separated integers: {exc}") from exc
+        result = score_once(target, token_ids, teacher_key=teacher_key, prompt_length=prompt_length, topk=topk,
+                            token=token)
+    except ScoreFailed as exc:
+        typer.echo(f"proctor score: {exc}", err=True)
+        raise typer.Exit(1) from None
     typer.echo(format_table(token_ids, result, tok))
 
 
-@app.command("make-tiny-model", short_help="Build a tiny teacher locally: random weights from a seed, a locally built tokenizer.")
+@app.command("make-tiny-model", cls=_PlainUsage, short_help="Build a tiny teacher locally: random weights from a seed, a locally built tokenizer.")
 def make_tiny_model_cmd(
-    out_dir: Path = typer.Argument(..., help="Directory to write the model into."),
+    out_dir: Path = typer.Argument(..., metavar="OUT_DIR", help="Directory to write the model into."),
     kind: str = typer.Option("text", help="text (a Qwen2 LM), vl (a Qwen2-VL) or omni-thinker (a Qwen2.5-Omni Thinker)."),
     vocab_size: int = typer.Option(512),
     hidden_size: int = typer.Option(64, help="text kind only"),
@@ -281,16 +315,13 @@ def make_tiny_model_cmd(
 @app.command()
 def quickstart() -> None:
     """Start the tiny teacher, score a few sequences through gRPC and HTTP, print them."""
-    from proctor.server.cli.quickstart import print_quickstart, tiny_teacher
-    from proctor.server.common.progress_bars import quiet_bars_in_logs
+    from proctor.server.cli.quickstart import run_quickstart
 
-    quiet_bars_in_logs()
-    with tiny_teacher() as (server, model_dir):
-        print_quickstart(server, model_dir)
+    run_quickstart()
 
 
-@app.command("check-config")
-def check_config(config: Path = typer.Argument(..., help="YAML config to check.")) -> None:
+@app.command("check-config", cls=_PlainUsage)
+def check_config(config: Path = typer.Argument(..., metavar="CONFIG", help="YAML config to check.")) -> None:
     """Print the resolved plan (teachers, replicas, devices) or every problem found."""
     from proctor.server.config import check_config_command
 

@@ -40,7 +40,8 @@ def tiny_teacher(*, max_topk: int = 64, kind: str = "text", student_tokenizers: 
     spec = EngineSpec(name="torch", model_path=str(model), max_topk=max_topk,
                       inference={"hidden_projection_rank": projection_rank} if projection_rank else {})
     options = ServerOptions(grpc_port=0, http_port=0, student_tokenizers=dict(student_tokenizers or {}))
-    with ServerThread(single_teacher_router(spec, name="tiny"), options) as server:
+    # Named as `proctor serve` names its one teacher, so the demo's tables read as a served teacher's.
+    with ServerThread(single_teacher_router(spec, name="default"), options) as server:
         yield server, model
 
 
@@ -56,3 +57,12 @@ def print_quickstart(server: ServerThread, model_dir: Path) -> None:
         print(format_table(ids, by_grpc, tok))
         worst = max(abs(a - b) for a, b in zip(by_grpc.logprobs, by_http.logprobs, strict=True))
         print(f"through HTTP: max |gRPC - HTTP| = {worst:.2e}\n")
+
+
+def run_quickstart() -> None:
+    """`proctor quickstart`: the tiny teacher served, a few sequences scored and printed (no bars in logs)."""
+    from proctor.server.common.progress_bars import quiet_bars_in_logs
+
+    quiet_bars_in_logs()
+    with tiny_teacher() as (server, model_dir):
+        print_quickstart(server, model_dir)

@@ -69,7 +69,7 @@ def demo(
     """
     from proctor.server.cli.quickstart import print_quickstart, tiny_teacher
     from proctor.server.common.progress_bars import quiet_bars_in_logs
-    from proctor.trainer_adapter.demo import option_error, run_demo
+    from proctor.trainer_adapter.demo import loss_line, option_error, run_demo
 
     quiet_bars_in_logs()  # before the teacher's replica starts: it inherits the setting
     if cross_tokenizer:
@@ -80,6 +80,9 @@ def demo(
         typer.echo(f"proctor demo: {problem}", err=True)
         raise typer.Exit(2)
     rank = DEMO_PROJECTION_RANK if hidden_form in ("projected", "projected_fp8") else 0
+    print(f"proctor demo: serves the tiny {teacher} teacher (as `proctor serve` does: teacher 'default'), "
+          + ("scores two sequences through gRPC and HTTP (the tables), " if teacher == "text" else "")
+          + f"then distils a noisy student with {loss_line(loss)}\n", flush=True)
     with tiny_teacher(kind=teacher, projection_rank=rank) as (server, model_dir):
         if teacher == "text":
             print_quickstart(server, model_dir)

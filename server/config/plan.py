@@ -4,9 +4,8 @@ whether it serves hidden states, and its limits; and the checks that need the wh
 
 from __future__ import annotations
 
-import typing
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from proctor.server.config.reading import parse_config, read_yaml
@@ -23,11 +22,6 @@ from proctor.server.engines.base import EngineConfigError, EngineSpec
 from proctor.server.engines.checks import check_model_path
 from proctor.server.engines.fingerprint import model_architecture
 from proctor.server.worker.pool import PlacementError, PlacementPlan, TeacherDemand, plan_placement
-
-if typing.TYPE_CHECKING:
-    pass
-
-
 
 # ------------------------------------------------------------------------------------------
 # Resolving: teachers, engines, placement
@@ -129,6 +123,10 @@ def _engine_problems(
         calls.append(lambda: checks.check_max_logprobs(max_topk, topk, engine=engine))
         # vLLM-Omni's AR runner returns hidden states of whole prefills only; vLLM's scoring pooler
         # keeps each prefill chunk's outputs, so there chunked prefill and any step size work.
+        if engine == "vllm_omni":  # its output mode and model family (a VL model is no Omni Thinker)
+            from proctor.server.engines.vllm_omni.config import omni_pipeline
+            calls.append(lambda: omni_pipeline(EngineSpec(name=engine, model_path=str(teacher.model_path),
+                                                          inference={"engine_kwargs": inf.engine_kwargs})))
         if loss.is_hidden_state and engine == "vllm_omni":
             calls.append(lambda: checks.check_hidden_states_prefill(inf.enable_chunked_prefill))
             calls.append(lambda: checks.check_batched_tokens(inf.max_num_batched_tokens, *lengths))
@@ -246,12 +244,16 @@ def resolve_plan(config: ProctorConfig, *, files_must_exist: bool = True) -> Ser
         problems.append("server.tls: cert_file and key_file go together: set both or neither")
     if server.tls.client_ca_file and not server.tls.cert_file:
         problems.append("server.tls.client_ca_file needs server.tls.cert_file and key_file (mutual TLS is TLS)")
-    for t in teachers.values():
+    for t in list(teachers.values()):
         if t.spec.model_path:
-            try:
-                check_model_path(t.spec.model_path)
+            try:  # serve fetches a Hugging Face id into the hub cache; check-config only looks there
+                path = check_model_path(t.spec.model_path, download=files_must_exist)
             except EngineConfigError as exc:
                 missing.append(f"distillation.teacher_models.{t.name}.{exc}")
+                continue
+            if str(path) != t.spec.model_path and not Path(t.spec.model_path).expanduser().exists():
+                notes.append(f"teacher {t.name}: model_path {t.spec.model_path} is the hub cache's {path}")
+                teachers[t.name] = replace(t, spec=replace(t.spec, model_path=str(path)))
     missing.extend(_missing_files(server))
     if files_must_exist:
         problems.extend(missing)

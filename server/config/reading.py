@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from proctor.server.config.schema import ConfigBlock, ConfigError, ProctorConfig
+from proctor.server.config.schema import ConfigBlock, ConfigError, InferenceConfig, ProctorConfig
 
 if typing.TYPE_CHECKING:
     pass
@@ -123,16 +123,18 @@ def _field_model(annotation: Any) -> tuple[str, type[ConfigBlock]] | None:
     return None
 
 
-def _unknown_keys(model: type[ConfigBlock], data: Any, path: str) -> list[str]:
+def _unknown_keys(model: type[ConfigBlock], data: Any, path: str, extra: frozenset[str] = frozenset()) -> list[str]:
+    """Every key of `data` (and of its sub-blocks) that `model` neither declares nor accepts
+    (nor `extra`), each with the nearest known name: the one unknown-key rule."""
     if not isinstance(data, dict):
         return []
     problems = []
-    known = set(model.model_fields) | set(model.accepted)
+    known = set(model.model_fields) | set(model.accepted) | set(extra)
     for key, value in data.items():
         where = f"{path}.{key}" if path else key
         field_info = model.model_fields.get(key)
         if field_info is None:
-            if key not in model.accepted:
+            if key not in model.accepted and key not in extra:
                 close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.75)
                 hint = f" (did you mean {close[0]}?)" if close else f" (known: {', '.join(sorted(model.model_fields))})"
                 problems.append(f"{where}: unknown key{hint}")
@@ -147,6 +149,12 @@ def _unknown_keys(model: type[ConfigBlock], data: Any, path: str) -> list[str]:
             for name, item in value.items():
                 problems += _unknown_keys(sub_model, item, f"{where}.{name}")
     return problems
+
+
+def inference_flag_problems(settings: dict[str, Any]) -> list[str]:
+    """`proctor serve --inference KEY=VALUE` keys checked by the config file's rule (unknown keys
+    with the nearest name), plus the keys only the command line takes."""
+    return _unknown_keys(InferenceConfig, settings, "inference", InferenceConfig.command_line_only)
 
 
 def _pydantic_problems(error: ValidationError) -> list[str]:

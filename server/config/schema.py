@@ -76,6 +76,10 @@ class InferenceConfig(ConfigBlock):
     """`teacher_models.<name>.inference`: verl's RolloutConfig, the fields proctor acts on declared."""
 
     accepted: ClassVar[frozenset[str]] = _VERL_ROLLOUT_FIELDS
+    # Keys `proctor serve --inference` takes and a config file refuses (there: engine_kwargs.vllm
+    # for vLLM's, and one process or a health deadline are debugging switches, not a plan's).
+    command_line_only: ClassVar[frozenset[str]] = frozenset(
+        {"replica_worker", "health_timeout_s", "max_logprobs", "kv_cache_dtype", "trust_remote_code"})
 
     name: str | None = None  # None: "torch" on CPU, "vllm" on accelerators
     dtype: str | None = None  # None: the checkpoint's own dtype

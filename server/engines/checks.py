@@ -23,16 +23,41 @@ def check_engine_name(name: str) -> None:
         )
 
 
-def check_model_path(model_path: str | Path | None) -> Path:
-    """The teacher must be a local model directory with a config.json; returns it as a Path."""
+def check_device(device: str) -> None:
+    """The device a teacher is placed on must be one this machine has (cuda: CUDA visible to
+    torch; npu: torch-npu installed), checked before any replica starts."""
+    import torch
+
+    if device.startswith("npu"):
+        try:
+            import torch_npu  # noqa: F401  (registers the "npu" device type)
+        except ImportError:
+            raise EngineConfigError("device 'npu' needs torch-npu: pip install 'proctor[npu]'") from None
+    elif device.startswith("cuda") and not torch.cuda.is_available():
+        raise EngineConfigError(f"device {device!r} asked for, but CUDA is not available on this machine "
+                                "(torch.cuda.is_available() is false): serve on --device cpu, or on a CUDA machine")
+    elif not device.startswith(("cpu", "cuda", "npu")):
+        raise EngineConfigError(f"device {device!r} is not one proctor places teachers on: cpu, cuda[:N] or npu[:N]")
+
+
+def check_model_path(model_path: str | Path | None, *, download: bool = False) -> Path:
+    """The teacher's local model directory (with a config.json), as a Path: `model_path` itself, or,
+    for a Hugging Face id, its snapshot in the hub cache (`model_source`; fetched first when
+    `download`, as `proctor serve` does, unless HF_HUB_OFFLINE=1)."""
+    from proctor.server.engines.model_source import hub_snapshot, is_hub_id
+
     if not model_path:
-        raise EngineConfigError("model_path is empty: set teacher_models.<name>.model_path to a model directory")
-    path = Path(model_path).expanduser()
+        raise EngineConfigError("model_path is empty: set teacher_models.<name>.model_path to a model directory "
+                                "or Hugging Face id")
+    if is_hub_id(str(model_path)):
+        path = hub_snapshot(str(model_path), download=download)
+    else:
+        path = Path(model_path).expanduser()
     if not path.exists():
         raise EngineConfigError(
             f"model_path {str(path)!r} does not exist: fix the path, or put a model there first "
-            f"(a Hugging Face model: `huggingface-cli download <repo> --local-dir {path}`; "
-            f"a tiny random test teacher: `proctor make-tiny-model {path} [--seed N]`)"
+            f"(a Hugging Face model: `hf download <org>/<name> --local-dir {path}`, or set model_path to the id "
+            f"itself; a tiny random test teacher: `proctor make-tiny-model {path} [--seed N]`)"
         )
     if not path.is_dir():
         raise EngineConfigError(f"model_path {str(path)!r} is a file: point it at the model's directory")

@@ -1,7 +1,8 @@
 """Digests of a model directory: `model_fingerprint`, so a client can tell that two answers
-(or an answer and a cached unembedding) came from the same teacher weights and tokenizer; and
-`model_architecture`, a label of the weight layout alone (teachers with equal labels can share
-devices by swapping weights).
+(or an answer and a cached unembedding) came from the same teacher weights and tokenizer;
+`tokenizer_fingerprint`, of the tokenizer alone, so a client that turns text into ids itself
+(`proctor score --text`) can prove it holds the teacher's tokenizer; and `model_architecture`, a
+label of the weight layout alone (teachers with equal labels can share devices by swapping weights).
 
 Small files are hashed whole. Weight files of more than `full_hash_limit` bytes are hashed by
 their size, their safetensors header (names, dtypes, shapes, offsets) and evenly spaced
@@ -26,6 +27,19 @@ _META_FILES = (
     "tokenizer.model",
     "preprocessor_config.json",
     "chat_template.jinja",
+)
+# What decides how text becomes ids (and ids text): the vocabulary, merges, added and special
+# tokens, normalisation and the BOS/EOS settings. Not the chat template, config or processors.
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "tokenizer.model",
+    "spiece.model",
 )
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
 _SAMPLE_BYTES = 1 << 20
@@ -60,6 +74,23 @@ def model_fingerprint(model_dir: str | Path, *, full_hash_limit: int = 1 << 30) 
                 for block in iter(lambda h=handle: h.read(8 << 20), b""):
                     digest.update(block)
     return digest.hexdigest()[:16]
+
+
+def tokenizer_fingerprint(model_dir: str | Path) -> str:
+    """sha256 (hex, 16 chars) over the tokenizer files of model_dir; "" when it has none.
+
+    Files, not a loaded tokenizer: the same files are the same tokenizer on both sides whatever
+    transformers release reads them, and a differing file is a match not proven (the caller
+    refuses rather than guesses)."""
+    root = Path(model_dir)
+    digest = hashlib.sha256()
+    found = False
+    for name in _TOKENIZER_FILES:
+        path = root / name
+        if path.is_file():
+            found = True
+            digest.update(name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16] if found else ""
 
 
 def model_architecture(model_path: str) -> str | None:

@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ from proctor.proto import scoring_pb2, wire_dtype
 from proctor.server.common.errors import NOT_READY_RETRY_S, Code, ScoringError, invalid
 from proctor.server.common.metrics import Metrics
 from proctor.server.engines.base import EngineResult
+from proctor.server.engines.fingerprint import tokenizer_fingerprint
 from proctor.server.engines.hidden_forms import projected_unembedding
 from proctor.server.engines.media import MediaLimits
 from proctor.server.front.aligned_scoring import AlignedScoring
@@ -95,13 +97,20 @@ class ScoringService:
         self._idle = asyncio.Event()
         self._idle.set()
         self._in_flight = 0
+        # Each teacher's tokenizer digest, read at start (`ListTeachers.tokenizer_fingerprint`).
+        self._tokenizer_fingerprints: dict[str, str] = {}
         router.use_metrics(self.metrics)
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
         await self.aligned.load(self.router.teachers.values())  # before the replicas: a bad one stops the start
+        self._tokenizer_fingerprints = await asyncio.to_thread(self._read_tokenizer_fingerprints)
         await asyncio.gather(*(t.start() for t in self.router.teachers.values()))
         self.state = ServiceState.SERVING
+
+    def _read_tokenizer_fingerprints(self) -> dict[str, str]:
+        return {name: tokenizer_fingerprint(t.tokenizer_path) if t.tokenizer_path and Path(t.tokenizer_path).is_dir()
+                else "" for name, t in self.router.teachers.items()}
 
     async def stop(self) -> None:
         self.state = ServiceState.STOPPED
@@ -281,6 +290,7 @@ class ScoringService:
                     score_ids_method=info.score_ids_method,
                     aligned_vocabularies=self.aligned.vocabularies(teacher_set.name),
                     chat_template=self.aligned.chat_template(teacher_set.name),
+                    tokenizer_fingerprint=self._tokenizer_fingerprints.get(teacher_set.name, ""),
                     batch_invariant=info.batch_invariant,
                     max_drift=drift.settings.max_drift if drift is not None else None,
                     hidden_forms=list(info.hidden_forms), projection_rank=info.projection_rank,

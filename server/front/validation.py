@@ -163,7 +163,8 @@ def _score_ids(
     if len(shape) != 2:
         raise invalid("score_ids", f"must be 2-D [rows, K], got shape {shape}")
     if shape[0] != rows:
-        raise invalid("score_ids", f"has {shape[0]} rows; rows {first_row}..{count - 1} are {rows}")
+        raise invalid("score_ids", f"has {shape[0]} rows, but {rows} are scored (rows {first_row}..{count - 1}: one a "
+                      "token, from first_row to the last): send one row of ids per scored token")
     k = shape[1]
     if not 1 <= k <= info.max_topk:
         raise invalid("score_ids", f"has K = {k} ids per row; teacher {teacher!r} scores 1 to {info.max_topk}")

@@ -32,6 +32,7 @@ from proctor.server.engines.base import (
     serving_dtype,
     started_info,
 )
+from proctor.server.engines.checks import check_device
 from proctor.server.engines.fingerprint import model_fingerprint
 from proctor.server.engines.hidden_forms import HiddenForms
 from proctor.server.engines.invariance import batch_invariant, invariant_spec
@@ -60,14 +61,12 @@ _IMPORT_LOCK = threading.Lock()
 
 
 def resolve_device(device: str) -> torch.device:
-    """Turn "cpu" / "cuda[:N]" / "npu[:N]" into a torch device, importing torch_npu if needed."""
-    if device.startswith("npu"):
-        try:
-            import torch_npu  # noqa: F401  (registers the "npu" device type)
-        except ImportError as exc:
-            raise EngineError("device 'npu' needs torch-npu: pip install 'proctor[npu]'") from exc
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise EngineError(f"device {device!r} asked for, but CUDA is not available")
+    """Turn "cpu" / "cuda[:N]" / "npu[:N]" into a torch device, once `checks.check_device` allows it
+    (which imports torch_npu, registering the "npu" device type)."""
+    try:
+        check_device(device)
+    except EngineConfigError as exc:
+        raise EngineError(str(exc)) from None
     return torch.device(device)
 
 

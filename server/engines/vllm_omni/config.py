@@ -80,17 +80,19 @@ PIPELINES = {
 def omni_pipeline(spec: EngineSpec) -> OmniPipeline:
     """Validate `engine_kwargs.vllm_omni` (output_mode, pipeline_name) and return the adapter."""
     kwargs = engine_kwargs_of(spec, ENGINE)
+    name = kwargs.get("pipeline_name")
+    if name not in PIPELINES:
+        raise EngineConfigError(
+            f"inference.engine_kwargs.vllm_omni.pipeline_name is {name!r}: proctor knows "
+            f"{', '.join(sorted(PIPELINES))}; set one of them (the model family of model_path). vLLM-Omni serves "
+            "an Omni model's Thinker only: a vision-language teacher (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) runs on "
+            "inference.name vllm or torch"
+        )
     mode = kwargs.get("output_mode")
     if mode != "ar":
         raise EngineConfigError(
             f"inference.engine_kwargs.vllm_omni.output_mode is {mode!r}: a teacher runs the Thinker's AR "
             'pipeline only; set output_mode="ar"'
-        )
-    name = kwargs.get("pipeline_name")
-    if name not in PIPELINES:
-        raise EngineConfigError(
-            f"inference.engine_kwargs.vllm_omni.pipeline_name is {name!r}: proctor knows "
-            f"{', '.join(sorted(PIPELINES))}; set one of them (the model family of model_path)"
         )
     return PIPELINES[name]
 

@@ -162,7 +162,12 @@ class CompletionsServing:
         large = len(raw) > INLINE_BODY_BYTES
         ask = await off_loop_if(large, _parse, raw)
         template = _template(ask, routing_key(self.service.router, path_key(request.scope.get("state")), ask.model, "model"))
-        teacher_set = self.service.route(template)
+        try:
+            teacher_set = self.service.route(template)
+        except ScoringError as exc:  # the routing rule's words, under the name this surface gives the key
+            if exc.field != "teacher_key":
+                raise
+            raise ScoringError(exc.code, exc.message.replace("teacher_key:", "model:", 1), field="model") from None
         tokenizer = await self.tokenizers.tokenizer(teacher_set)
         if ask.logprobs is not None and tokenizer is None:
             raise invalid("logprobs", f"teacher {teacher_set.name!r} has no tokenizer here, so its tokens have no "
