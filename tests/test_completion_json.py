@@ -66,3 +66,38 @@ def test_column_wise_json_equals_the_dict_form(k, with_ranks):
 
 def test_a_one_token_prompt_has_only_the_null_row():
     assert prompt_logprobs_json(np.array([5]), np.zeros(0, np.float32), None, None, None, TokenText(None)) == "[null]"
+
+
+@pytest.mark.parametrize("n", [0, 1, 3])
+def test_openai_logprobs_equal_vllms_entry_by_entry_form(n):
+    """OpenAI's `logprobs` written column-wise equals the dicts vLLM builds entry by entry: the actual
+    token then the top-K, by id first, cut to N + 1 items, then keyed by text (two ids of one text:
+    one key, first place, last value), -inf held at -9999."""
+    from proctor.server.front.completion_json import _steps, openai_logprobs_json
+
+    table = ["a", "b", "a", "c", " d", "e", "é", "\n", "b", "x", "y", "z"]  # ids 0/2 and 1/8 share a text
+
+    def decode(token: int) -> str:
+        return table[token]
+
+    rng = np.random.default_rng(n)
+    t, vocab, k = 30, len(table), 4
+    ids = rng.integers(0, vocab, t)
+    logprobs = rng.standard_normal(t - 1).astype(np.float32) - 3
+    logprobs[2] = -np.inf
+    topk_ids = np.stack([rng.permutation(vocab)[:k] for _ in range(t - 1)]).astype(np.int64)
+    topk_lp = np.sort(rng.standard_normal((t - 1, k)).astype(np.float32), axis=1)[:, ::-1].copy()
+    text = TokenText(_ListTokenizer(decode))
+    ours = json.loads(openai_logprobs_json(decode(int(ids[0])), _steps(ids[1:], logprobs, topk_ids, topk_lp, n),
+                                           ids, None, text))
+    tops, values = [None], [None]
+    for row in range(t - 1):
+        step = {int(ids[row + 1]): float(logprobs[row])}
+        for token, value in zip(topk_ids[row].tolist(), topk_lp[row].tolist(), strict=True):
+            step.setdefault(token, value)  # a dict by id: the actual token keeps its place
+        tops.append({decode(token): max(value, -9999.0) for i, (token, value) in enumerate(step.items()) if i <= n})
+        values.append(max(float(logprobs[row]), -9999.0))
+    tokens = [decode(int(token)) for token in ids]
+    assert ours["tokens"] == tokens and ours["token_logprobs"] == values
+    assert ours["top_logprobs"] == tops and [list(top) for top in ours["top_logprobs"][1:]] == [list(x) for x in tops[1:]]
+    assert ours["text_offset"] == [sum(len(x) for x in tokens[:i]) for i in range(t)]

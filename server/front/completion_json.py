@@ -159,30 +159,32 @@ def _clamped_texts(values: np.ndarray) -> np.ndarray:
     return float_texts(np.maximum(values.astype(np.float32), np.float32(LOGPROB_FLOOR)))
 
 
-def _top_dicts(steps: _Steps, ids: np.ndarray | None, text: TokenText) -> tuple[list[str], np.ndarray]:
-    """Each step's `top_logprobs` dict as JSON text, and the actual tokens' texts: keys are the
-    candidates' texts, so two ids of one text are one key, at its first place with the last value
-    (a dict's rule; rare, those rows are built as dicts)."""
-    texts, quoted, _ = vllm_token_texts(steps.candidates, ids, text)
-    entries = quoted + ":" + _clamped_texts(steps.candidate_values)
-    kept = texts[steps.keep]
-    if kept.size:
-        _, codes = np.unique(kept.astype(str), return_inverse=True)
-        grid = np.full(steps.keep.shape, -1, dtype=np.int64)
-        grid[steps.keep] = codes
-        ordered = np.sort(grid, axis=1)
-        clash = ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any(axis=1)
-    else:
-        clash = np.zeros(steps.keep.shape[0], dtype=bool)
-    rows: list[str] = []
-    for row in range(steps.keep.shape[0]):
-        if clash[row]:
-            merged = {str(t): max(float(v), LOGPROB_FLOOR) for t, v in
-                      zip(texts[row][steps.keep[row]], steps.candidate_values[row][steps.keep[row]], strict=True)}
-            rows.append(json.dumps(merged, separators=(",", ":")))
-        else:
-            rows.append("{" + ",".join(entries[row][steps.keep[row]].tolist()) + "}")
-    return rows, texts[:, 0]
+def _top_dicts(steps: _Steps, ids: np.ndarray | None, text: TokenText) -> tuple[str, np.ndarray]:
+    """Every step's `top_logprobs` dict as JSON text, comma-joined, and the actual tokens' texts.
+    The keys are the candidates' texts, so two ids of one text are one key, at its first place with
+    the last value (a dict's rule): such rows (rare: found by comparing the texts' numbers, not the
+    strings) are built as dicts; every other entry is pieces in one join."""
+    texts, quoted, split = vllm_token_texts(steps.candidates, ids, text)
+    codes = text.codes(steps.candidates)
+    for row, col in zip(*np.nonzero(split), strict=True):  # texts read in context: numbered one by one
+        codes[row, col] = text.code_of(texts[row, col])
+    grid = np.where(steps.keep, codes, -1 - np.arange(codes.shape[1]))  # dropped entries never clash
+    ordered = np.sort(grid, axis=1)
+    clash = (ordered[:, 1:] == ordered[:, :-1]).any(axis=1) if codes.shape[1] > 1 else np.zeros(len(codes), bool)
+    pieces = np.empty((*codes.shape, 4), dtype=object)
+    pieces[:, :, 0] = ","
+    pieces[:, 0, 0] = "},{"  # the actual token, always kept, opens its row's dict
+    pieces[:, :, 1] = quoted
+    pieces[:, :, 2] = ":"
+    pieces[:, :, 3] = _clamped_texts(steps.candidate_values)
+    keep = steps.keep.copy()
+    for row in np.flatnonzero(clash).tolist():
+        merged = {str(t): max(float(v), LOGPROB_FLOOR)
+                  for t, v in zip(texts[row][keep[row]], steps.candidate_values[row][keep[row]], strict=True)}
+        pieces[row, 0, 1:] = [json.dumps(merged, separators=(",", ":"))[1:-1], "", ""]
+        keep[row, 1:] = False
+    joined = "".join(pieces[keep].ravel().tolist())
+    return (joined[2:] + "}") if joined else "", texts[:, 0]
 
 
 def openai_logprobs_json(first_text: str | None, prompt: _Steps | None, prompt_ids: np.ndarray | None,
@@ -199,7 +201,7 @@ def openai_logprobs_json(first_text: str | None, prompt: _Steps | None, prompt_i
         rows, actual_texts = _top_dicts(steps, ids, text)
         tokens += actual_texts.tolist()
         values += _clamped_texts(steps.values).tolist()
-        tops += rows
+        tops += [rows] if rows else []
     offsets = np.concatenate([[0], np.cumsum([len(token) for token in tokens])[:-1]]).astype(np.int64) \
         if tokens else np.zeros(0, dtype=np.int64)
     return (f'{{"text_offset":{_dumps(offsets.tolist())},"token_logprobs":[{",".join(values)}],'

@@ -57,6 +57,8 @@ class TokenText:
         self._keys = np.zeros(0, dtype=object)
         self._tails = np.zeros(0, dtype=object)
         self._quoted = np.zeros(0, dtype=object)
+        self._codes = np.zeros(0, dtype=np.int64)  # one number per distinct text (OpenAI's dict keys)
+        self._code_of: dict[str, int] = {}
         self._known = np.zeros(0, dtype=bool)
         self._partial = np.zeros(0, dtype=bool)
         self._lock = threading.Lock()  # answers are built on worker threads too
@@ -89,6 +91,18 @@ class TokenText:
         with self._lock:
             self._learn(ids)
             return self._texts[ids], self._quoted[ids], self._partial[ids]
+
+    def codes(self, ids: np.ndarray) -> np.ndarray:
+        """One number per distinct text of `ids` (two ids of one text share it), to find texts
+        that repeat without comparing strings."""
+        with self._lock:
+            self._learn(ids)
+            return self._codes[ids]
+
+    def code_of(self, text: str) -> int:
+        """The number of a text read in context (a split character's), numbered as `codes` numbers."""
+        with self._lock:
+            return self._code_of.setdefault(text, len(self._code_of))
 
     def in_context(self, token: int, context: Sequence[int]) -> str:
         """The text of a partial `token` after the actual tokens `context` (oldest first, at most
@@ -127,6 +141,7 @@ class TokenText:
             self._keys = np.concatenate([self._keys, np.full(grow, "", dtype=object)])
             self._tails = np.concatenate([self._tails, np.full(grow, "", dtype=object)])
             self._quoted = np.concatenate([self._quoted, np.full(grow, "", dtype=object)])
+            self._codes = np.concatenate([self._codes, np.zeros(grow, dtype=np.int64)])
             self._known = np.concatenate([self._known, np.zeros(grow, dtype=bool)])
             self._partial = np.concatenate([self._partial, np.zeros(grow, dtype=bool)])
         missing = np.unique(ids[~self._known[ids]]) if ids.size else ids
@@ -136,6 +151,7 @@ class TokenText:
             self._partial[token] = text.endswith(REPLACEMENT)
             self._keys[token] = self.key_piece(token)
             self._quoted[token] = json.dumps(text)
+            self._codes[token] = self._code_of.setdefault(text, len(self._code_of))
             self._tails[token] = self.tail_piece(text)
         self._known[missing] = True
 
