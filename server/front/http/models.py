@@ -231,10 +231,13 @@ def _score_ids(rows: list | None) -> scoring_pb2.Tensor | None:
     if len(rows) * width > min(_MAX_SCORE_ID_CELLS, max(_RAGGED_SLACK * given, _RAGGED_FREE_CELLS)):
         raise invalid("score_ids", f"{len(rows)} rows of up to {width} ids ({given} given) pad to "
                       f"{len(rows) * width} cells; pad the rows with -1 to one width yourself, or send fewer")
-    int32_ids("score_ids", itertools.chain.from_iterable(rows))
-    ids = np.full((len(rows), width), -1, dtype="<i4")
-    for index, row in enumerate(rows):
-        ids[index, : len(row)] = row
+    int32_ids("score_ids", list(itertools.chain.from_iterable(rows)))
+    if all(len(row) == width for row in rows):  # rectangular (the usual top-k): one C conversion
+        ids = np.array(rows, dtype="<i4").reshape(len(rows), width)
+    else:
+        ids = np.full((len(rows), width), -1, dtype="<i4")
+        for index, row in enumerate(rows):
+            ids[index, : len(row)] = row
     return scoring_pb2.Tensor(dtype=scoring_pb2.INT32, shape=[len(rows), width], data=ids.tobytes())
 
 
