@@ -196,8 +196,11 @@ def test_a_nonfinite_score_is_read_where_the_result_is_encoded_and_refused_by_th
     with pytest.raises(ScoringError) as error:  # the caller's temperature overflowed: the caller's error
         check_finite(dataclasses.replace(request, temperature=1e-38), encoded)
     assert error.value.code is Code.INVALID_ARGUMENT and error.value.field == "temperature"
-    assert encode_result(_result()).nonfinite == ()
-    check_finite(request, encode_result(_result()))
+    clean = encode_result(_result())
+    assert clean.nonfinite == ()
+    check_finite(request, clean)
+    Responses(Metrics()).protobuf(_scored(clean))
+    assert "_message" not in clean.__dict__  # the gRPC path checked and answered it without decoding a row
 
 
 def _scored(result) -> ScoredRequest:
