@@ -13,10 +13,18 @@ engine's answer to one sequence, computed once and replayed: `support.engines.Re
 fed top-64 requests as fast as the clients go; the front's CPU per token and its sustained
 tokens/s, i.e. how many replicas of what prefill rate one front feeds.
 
-CPU time, unlike wall time, does not depend much on what else the machine runs, which is why
-this bench reads it (`psutil`'s user + system time of each process, before and after).
+First, the guard figures on a fresh load (`--fresh-only` prints them alone): the vLLM engine,
+`--fresh-seqs` x `--length` sequences never scored before (new ids every round, so no prefix is
+answered from memory), rounds alternated, best of `--fresh-rounds`: the front's µs a top-64 and
+a log-probs-only token over gRPC, and all server processes' (front, replica worker, EngineCore);
+then score_ids K=64 per row over gRPC, `/v1/score` JSON and `/v1/score` protobuf: CPU-s per 1k
+rows (front and all processes) and the answer's size.
 
-    .venv/bin/python bench/front_cpu.py [--engines vllm,torch] [--transports grpc,http] [--quick]
+CPU time, unlike wall time, does not depend much on what else the machine runs, which is why
+this bench reads it (`psutil`'s user + system time of each process, before and after); a busy
+host only adds to a round's CPU, so the best round is the estimate.
+
+    .venv/bin/python bench/front_cpu.py [--engines vllm,torch] [--transports grpc,http] [--quick] [--fresh-only]
 """
 
 from __future__ import annotations
@@ -132,6 +140,99 @@ def report_engines(args, model: Path, vocab: int) -> None:
                       f"{rate} {rows / wall:>9.0f}", flush=True)
         finally:
             server.stop()
+
+
+FRESH_K = 64
+
+
+def _fresh_bodies(rng: random.Random, seqs: int, length: int, mode: str, vocab: int) -> list[bytes]:
+    """`seqs` never-seen sequences as request bodies: protobuf ScoreRequests, or `/v1/score` JSON."""
+    import json
+
+    import numpy as np
+
+    from proctor.proto import encode_tensor, scoring_pb2
+
+    out = []
+    for _ in range(seqs):
+        ids = [rng.randrange(3, vocab) for _ in range(length)]
+        if mode in ("top-64", "logprobs"):
+            out.append(scoring_pb2.ScoreRequest(token_ids=ids, logprobs=True,
+                                                topk=FRESH_K if mode == "top-64" else 0).SerializeToString())
+            continue
+        rows = [[rng.randrange(0, vocab) for _ in range(FRESH_K)] for _ in range(length - 1)]
+        if mode == "score_ids json":
+            out.append(json.dumps({"token_ids": ids, "logprobs": False, "score_ids": rows}).encode())
+        else:
+            wire = encode_tensor(np.asarray(rows, dtype=np.int32))
+            out.append(scoring_pb2.ScoreRequest(token_ids=ids, logprobs=False, score_ids=wire).SerializeToString())
+    return out
+
+
+async def _send_all(server: SubprocessServer, mode: str, bodies: list[bytes], concurrency: int) -> int:
+    """Every body sent (gRPC unary, or POST /v1/score), `concurrency` at a time; answer bytes."""
+    import grpc
+    import httpx
+
+    left, received = list(bodies), 0
+    kind = {"score_ids json": "application/json", "score_ids protobuf": "application/x-protobuf"}.get(mode)
+    async with (grpc.aio.insecure_channel(server.grpc_target, options=[("grpc.max_receive_message_length",
+                                                                       256 << 20)]) as channel,
+                httpx.AsyncClient(base_url=server.http_url, timeout=600) as http):
+        unary = channel.unary_unary("/proctor.v1.TeacherScoring/Score")
+
+        async def one() -> None:
+            nonlocal received
+            while left:
+                body = left.pop()
+                if kind is None:
+                    answer = await unary(body)
+                else:
+                    reply = await http.post("/v1/score", content=body, headers={"content-type": kind})
+                    reply.raise_for_status()
+                    answer = reply.content
+                received += len(answer)
+
+        await asyncio.gather(*(one() for _ in range(concurrency)))
+    return received
+
+
+def report_fresh(args, model: Path, vocab: int) -> None:
+    """The guard figures (module docstring): a fresh load, rounds alternated, best round kept."""
+    from support.cpu import descendants_cpu, process_cpu
+
+    modes = ["top-64", "logprobs", "score_ids grpc", "score_ids json", "score_ids protobuf"]
+    flags = ["--engine", "vllm", "--model", str(model), "--max-model-len", str(args.length + 8), "--no-verbose",
+             "--inference", "gpu_memory_utilization=0.12", "--inference",
+             f"max_num_batched_tokens={max(8192, args.length * 4)}"]
+    server = SubprocessServer(flags, startup_timeout=600)
+    rng = random.Random(7)
+    best: dict[str, tuple[float, float, int, int]] = {}
+    try:
+        front = psutil.Process(server.proc.pid)
+        for mode in modes:  # warm every path up
+            asyncio.run(_send_all(server, mode, _fresh_bodies(rng, 4, args.length, mode, vocab), 2))
+        for _ in range(args.fresh_rounds):
+            for mode in modes:
+                seqs = args.fresh_seqs if mode in ("top-64", "logprobs") else max(4, args.fresh_seqs // 4)
+                bodies = _fresh_bodies(rng, seqs, args.length, mode, vocab)
+                before = process_cpu(front), descendants_cpu(front)
+                received = asyncio.run(_send_all(server, mode, bodies, args.concurrency))
+                spent = process_cpu(front) - before[0], descendants_cpu(front) - before[1]
+                rows = seqs * (args.length - 1)
+                kept = best.get(mode)
+                if kept is None or spent[0] / rows < kept[0] / kept[2]:
+                    best[mode] = (spent[0], spent[0] + spent[1], rows, received // seqs)
+    finally:
+        server.stop()
+    print(f"\nfresh load, vLLM engine: {args.fresh_seqs} x {args.length} tokens (score_ids: a quarter of the "
+          f"sequences), best of {args.fresh_rounds} alternated rounds")
+    print(f"{'mode':<19} {'front µs/row':>12} {'all µs/row':>11} {'front CPU-s/1k rows':>20} "
+          f"{'all CPU-s/1k rows':>18} {'answer KiB':>11}")
+    for mode in modes:
+        front_s, all_s, rows, answer = best[mode]
+        print(f"{mode:<19} {front_s / rows * 1e6:>12.2f} {all_s / rows * 1e6:>11.2f} {front_s / rows * 1e3:>20.3f} "
+              f"{all_s / rows * 1e3:>18.3f} {answer / 1024:>11.1f}", flush=True)
 
 
 TESTS = Path(__file__).resolve().parents[1] / "tests"
@@ -307,6 +408,9 @@ def main() -> None:
     parser.add_argument("--capacity-replicas", default="1,2,4", help="comma-separated N for the capacity figure")
     parser.add_argument("--capacity-requests", type=int, default=1024)
     parser.add_argument("--quick", action="store_true", help="16 x 128 tokens, a smaller capacity run")
+    parser.add_argument("--fresh-seqs", type=int, default=256, help="sequences a round of the fresh load")
+    parser.add_argument("--fresh-rounds", type=int, default=3, help="rounds of the fresh load (0: none)")
+    parser.add_argument("--fresh-only", action="store_true", help="the fresh-load figures alone")
     parser.add_argument("--serve-front", type=int, help=argparse.SUPPRESS)  # the capacity run's front process
     parser.add_argument("--serve-bare", help=argparse.SUPPRESS)  # the bare gRPC server replaying answers
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -326,6 +430,10 @@ def main() -> None:
         model = make_tiny_model(Path(tmp) / "teacher", num_heads=2, num_kv_heads=1)
         wide = make_tiny_model(Path(tmp) / "wide", hidden_size=WIDE_HIDDEN, num_layers=1, num_heads=WIDE_HIDDEN // 64,
                                num_kv_heads=1, intermediate_size=WIDE_HIDDEN)
+        if args.fresh_rounds:
+            report_fresh(args, model, 512)
+        if args.fresh_only:
+            return
         if args.engines:
             report_engines(args, model, 512)
         if args.capacity_replicas:

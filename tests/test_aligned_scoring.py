@@ -158,7 +158,9 @@ def test_json_answers_carry_the_aligned_fields_over_all_rows(server, toks):
     wire = scoring_pb2.ScoreResponse.FromString(protobuf.content).aligned
     from proctor.proto import decode_tensor
 
-    assert decode_tensor(wire.chunk_logprobs).tolist() == aligned["chunk_logprobs"][len(s_prompt):]
+    # JSON's scores read back as the same float32 (`front.float_text`: 9 significant digits)
+    assert torch.equal(decode_tensor(wire.chunk_logprobs),
+                       torch.tensor(aligned["chunk_logprobs"][len(s_prompt):], dtype=torch.float32))
     assert decode_tensor(wire.chunks).tolist() == aligned["chunks"]
 
 

@@ -9,6 +9,8 @@ the answer bytes the front splices are checked against the messages built field 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
+import math
 import os
 import signal
 
@@ -18,14 +20,16 @@ import pytest
 import torch
 
 from proctor.proto import decode_tensor, encode_tensor, scoring_pb2
+from proctor.server.common.errors import Code, ScoringError
 from proctor.server.common.metrics import Metrics
 from proctor.server.engines.base import EngineRequest, EngineResult
 from proctor.server.front.fleet.routing import ReplicaState
 from proctor.server.front.responses import Responses
 from proctor.server.front.service import ScoredRequest
+from proctor.server.front.validation import check_finite
 from proctor.server.worker.client import WorkerClient
 from proctor.server.worker.protocol import OUT_OF_BAND_BYTES, dumps, loads
-from proctor.server.worker.wire import EncodedResult, RawRows, encode_result
+from proctor.server.worker.wire import EncodedResult, RawRows, encode_result, nonfinite_outputs
 
 from support.reference import assert_matches_reference, reference_rows
 from support.scoring import grpc_score, logprobs_of, sequences
@@ -171,6 +175,32 @@ def test_an_encoded_result_reads_back_the_same_tensors():
         assert torch.equal(getattr(encoded, name), getattr(result, name)), name
     assert encoded.score_logprobs is None
     assert (encoded.first_row, encoded.engine_seconds) == (3, 0.25)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_nonfinite_score_is_read_where_the_result_is_encoded_and_refused_by_the_front(bad):
+    """NaN or +inf in a log-prob output is found while the tensors are at hand (the replica
+    worker), carried as names across the socket, and refused by the front without reading a row;
+    -inf (score_ids padding, probability 0) is a log-prob and passes."""
+    result = _result()
+    result.topk_logprobs[2, 1] = bad
+    result.score_logprobs = torch.full((7, 3), -math.inf)
+    encoded = loads(dumps(("reply", 1, [encode_result(result)])))[2][0]
+    assert encoded.nonfinite == nonfinite_outputs(result) == ("topk_logprobs",)
+    request = EngineRequest("a", np.arange(10, dtype=np.int32), first_row=3, logprobs=True, topk=4,
+                            hidden_states=False)
+    for answer in (encoded, result):  # a replica worker's result, and an in-process engine's
+        with pytest.raises(ScoringError) as error:
+            check_finite(request, answer)
+        assert error.value.code is Code.INTERNAL and "topk_logprobs" in error.value.message
+    with pytest.raises(ScoringError) as error:  # the caller's temperature overflowed: the caller's error
+        check_finite(dataclasses.replace(request, temperature=1e-38), encoded)
+    assert error.value.code is Code.INVALID_ARGUMENT and error.value.field == "temperature"
+    clean = encode_result(_result())
+    assert clean.nonfinite == ()
+    check_finite(request, clean)
+    Responses(Metrics()).protobuf(_scored(clean))
+    assert "_message" not in clean.__dict__  # the gRPC path checked and answered it without decoding a row
 
 
 def _scored(result) -> ScoredRequest:

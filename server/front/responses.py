@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import base64
 import json
-import math
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import Any
@@ -29,6 +28,7 @@ import torch
 from proctor.proto import dtype_name, iter_row_chunks, rows_per_chunk, scoring_pb2
 from proctor.server.common.metrics import MetricsSink
 from proctor.server.front.completion_json import CompletionForm, completion_answer
+from proctor.server.front.float_text import json_items
 from proctor.server.front.generate_json import EntryText, Finish, Planned, generate_answer
 from proctor.server.front.service import ScoredRequest
 from proctor.server.front.tito_json import GeneratePlan, GenerateReply, tito_answer
@@ -139,12 +139,14 @@ def _nulls(count: int) -> str:
     return ",".join(["null"] * count)
 
 
-def _finite_or_null(values: torch.Tensor) -> list:
-    """[R] or [R, K] rows as lists with null for -inf (padding) and NaN (no value): JSON has neither."""
-    rows = values.float().tolist()
-    if values.dim() == 1:
-        return [v if math.isfinite(v) else None for v in rows]
-    return [[v if math.isfinite(v) else None for v in row] for row in rows]
+def _float_items(values: torch.Tensor) -> str:
+    """[R] or [R, K] float rows as JSON items, null for -inf (padding) and NaN: JSON has neither
+    (numpy-written text that reads back as the same float32: `float_text`)."""
+    return json_items(values.float().numpy())
+
+
+def _id_items(values: torch.Tensor) -> str:
+    return json.dumps(values.tolist(), separators=(",", ":"))[1:-1]
 
 
 def _json_items(values: torch.Tensor, first_row: int, num_tokens: int, rows_per_piece: int, convert) -> Iterator[str]:
@@ -154,7 +156,7 @@ def _json_items(values: torch.Tensor, first_row: int, num_tokens: int, rows_per_
     if first_row:
         yield _nulls(first_row)
     for start in range(0, rows, rows_per_piece):
-        text = json.dumps(convert(values[start : start + rows_per_piece]), separators=(",", ":"))[1:-1]
+        text = convert(values[start : start + rows_per_piece])
         yield ("," if parts_before else "") + text
         parts_before = True
     if num_tokens - first_row - rows:
@@ -176,7 +178,7 @@ def _aligned_json_pieces(scored: ScoredRequest, rows_per_piece: int) -> Iterator
     aligned = scored.aligned
     yield b',"aligned":{'
     for index, (name, values) in enumerate(aligned.rows()):
-        convert = (lambda v: v.tolist()) if "ids" in name else _finite_or_null
+        convert = _id_items if "ids" in name else _float_items
         yield from _json_list(name, values, scored, rows_per_piece, convert, lead="," if index else "")
     yield (f',"chunks":{json.dumps(aligned.chunks.tolist(), separators=(",", ":"))}'
            f',"teacher_ids":{json.dumps(aligned.teacher_ids.tolist(), separators=(",", ":"))},"teacher":').encode()
@@ -193,10 +195,10 @@ def _json_pieces(scored: ScoredRequest, rows_per_piece: int) -> Iterator[bytes]:
         yield b"}"
         return
     lists = (
-        ("logprobs", result.logprobs, lambda v: v.float().tolist()),
-        ("topk_ids", result.topk_ids, lambda v: v.tolist()),
-        ("topk_logprobs", result.topk_logprobs, lambda v: v.float().tolist()),
-        ("score_logprobs", result.score_logprobs, _finite_or_null),
+        ("logprobs", result.logprobs, _float_items),
+        ("topk_ids", result.topk_ids, _id_items),
+        ("topk_logprobs", result.topk_logprobs, _float_items),
+        ("score_logprobs", result.score_logprobs, _float_items),
     )
     for name, values, convert in lists:
         if values is not None:

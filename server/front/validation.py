@@ -33,6 +33,7 @@ from proctor.server.engines.teacher_serves import (
 from proctor.server.engines.token_ids import token_array
 from proctor.server.front.fleet.routing import ReplicaSet
 from proctor.server.front.media_fields import media_item, processor_kwargs
+from proctor.server.worker.wire import EncodedResult, nonfinite_outputs
 
 # Scores are computed in float32 by every engine (`engines.row_scores`): a temperature must be a
 # normal float32 number, and the scores it gives must be finite (`check_finite`).
@@ -210,13 +211,11 @@ def _temperature(request: scoring_pb2.ScoreRequest, info: EngineInfo, teacher: s
     return float(value)
 
 
-def check_finite(request: EngineRequest, result: EngineResult) -> None:
+def check_finite(request: EngineRequest, result: EngineResult | EncodedResult) -> None:
     """An answer with NaN (or a log-prob of +inf) is never sent (JSON has no NaN): at a
     temperature other than 1 it is the request's own input that overflowed float32 (logits / T),
     so the caller's INVALID_ARGUMENT; at T = 1 the engine's fault (INTERNAL)."""
-    bad = [name for name, values in (("logprobs", result.logprobs), ("topk_logprobs", result.topk_logprobs),
-                                     ("score_logprobs", result.score_logprobs))
-           if values is not None and values.numel() and bool((values.isnan() | values.isposinf()).any())]
+    bad = nonfinite_outputs(result)  # read where the engine ran: the front reads no row (`worker.wire`)
     if not bad:
         return
     if request.temperature != 1.0:

@@ -10,6 +10,10 @@ no tensor is rebuilt or re-encoded there, and a result pickles as a few `bytes` 
 
 Readers that want tensors (the JSON answer, vLLM's `/v1/completions`, tests) get them from the
 same attribute names as `EngineResult`'s, decoded lazily and without a copy.
+
+Whether a score output holds NaN or +inf (an answer the front must never send) is read here too,
+while the tensors are at hand (`nonfinite_outputs`), and travels as a few names: the front's check
+(`validation.check_finite`) then reads no row of a gRPC answer.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ SMALL_OUTPUTS = {
     "score_logprobs": torch.float32,
 }
 _TENSOR_FIELDS = (*SMALL_OUTPUTS, "hidden_states", "ranks")
+# The outputs that hold log-probs: never NaN, never +inf (`nonfinite_outputs`).
+SCORE_OUTPUTS = ("logprobs", "topk_logprobs", "score_logprobs")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +98,7 @@ class EncodedResult:
         self.first_row: int = scalars.pop("first_row")
         self.queue_seconds: float = scalars.pop("queue_seconds", 0.0)
         self.engine_seconds: float = scalars.pop("engine_seconds", 0.0)
+        self.nonfinite: tuple[str, ...] = tuple(scalars.pop("nonfinite", ()))  # `nonfinite_outputs`, read at encoding
         self.__dict__.update(scalars)  # what else the engine reported (e.g. prompt_reused_tokens)
 
     def __reduce_ex__(self, protocol: int):  # the outputs' bytes beside the pickle, not in it
@@ -140,7 +147,23 @@ def encode_result(result: EngineResult | EncodedResult) -> EncodedResult:
     hidden = RawRows.of(result.hidden_states) if result.hidden_states is not None else None
     ranks = RawRows.of(result.ranks) if result.ranks is not None else None
     scalars = {f.name: getattr(result, f.name) for f in dataclasses.fields(result) if f.name not in _TENSOR_FIELDS}
-    return EncodedResult(outputs, hidden, ranks, **scalars)
+    return EncodedResult(outputs, hidden, ranks, nonfinite=nonfinite_outputs(result), **scalars)
+
+
+def nonfinite_outputs(result: EngineResult | EncodedResult) -> tuple[str, ...]:
+    """The score outputs of `result` that hold NaN or +inf (-inf is a log-prob: padding, or a
+    token of probability 0). An encoded result says what was read when it was encoded, where
+    the engine ran; otherwise one max a tensor (NaN propagates through it), no temporaries."""
+    if isinstance(result, EncodedResult):
+        return result.nonfinite
+    bad = []
+    for name in SCORE_OUTPUTS:
+        values = getattr(result, name)
+        if values is not None and values.numel():
+            top = float(values.max())
+            if top != top or top == float("inf"):
+                bad.append(name)
+    return tuple(bad)
 
 
 def encode_outcomes(outcomes: list[Outcome]) -> list[Outcome | EncodedResult]:

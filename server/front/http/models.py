@@ -241,7 +241,7 @@ def padded_id_rows(rows: list[list], field: str) -> np.ndarray:
     if len(rows) * width > min(_MAX_SCORE_ID_CELLS, max(_RAGGED_SLACK * given, _RAGGED_FREE_CELLS)):
         raise invalid(field, f"{len(rows)} rows of up to {width} ids ({given} given) pad to "
                       f"{len(rows) * width} cells; pad the rows with -1 to one width yourself, or send fewer")
-    int32_ids(field, itertools.chain.from_iterable(rows))
+    int32_ids(field, list(itertools.chain.from_iterable(rows)))  # a list: int32_ids checks it in C passes
     if given == len(rows) * width:
         return np.asarray(rows, dtype="<i4").reshape(len(rows), width)
     ids = np.full((len(rows), width), -1, dtype="<i4")
