@@ -85,10 +85,19 @@ async def score_all(service: ScoringService, teacher_set: ReplicaSet, messages: 
     try:
         return await asyncio.gather(*jobs)
     finally:
-        if not all(job.done() for job in jobs):
-            for job in jobs:
-                job.cancel()
-            await asyncio.gather(*jobs, return_exceptions=True)
+        await _withdraw(jobs)
+        # A job's error raised here holds this frame, which holds the jobs: release them, or the
+        # call's requests live until the cyclic collector runs (see `cancellation`).
+        jobs.clear()
+
+
+async def _withdraw(jobs: list[asyncio.Future]) -> None:
+    """Cancel the jobs not yet done and wait for them (in a frame of its own, so that no job is
+    left in the caller's)."""
+    if not all(job.done() for job in jobs):
+        for job in jobs:
+            job.cancel()
+        await asyncio.gather(*jobs, return_exceptions=True)
 
 
 @dataclass(frozen=True)
