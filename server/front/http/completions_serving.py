@@ -111,8 +111,8 @@ class _Scored:
     scored: list[ScoredRequest]
 
 
-def _parse(raw: bytes) -> CompletionBody:
-    return CompletionBody.check(loads_bounded(raw, field="body"))
+def _parse(raw: bytes, max_numbers: int | None) -> CompletionBody:
+    return CompletionBody.check(loads_bounded(raw, field="body", max_numbers=max_numbers))
 
 
 class CompletionsServing:
@@ -152,7 +152,9 @@ class CompletionsServing:
 
     async def _score(self, request: Request, raw: bytes) -> _Scored:
         large = len(raw) > INLINE_BODY_BYTES
-        ask = await off_loop_if(large, _parse, raw)
+        # A call's prompts are admitted one request each: more than the queue holds cannot be served.
+        most = self.service.most_body_numbers(sequences=self.service.limits.max_queue_requests, score_ids=False)
+        ask = await off_loop_if(large, _parse, raw, most)
         teacher_set = self.service.route(_template(ask))
         tokenizer = await self.tokenizers.tokenizer(teacher_set)
         texts = any(isinstance(prompt, str) for prompt in ask.prompts)
