@@ -265,3 +265,15 @@ def test_vllm_replicas_on_cpu_bind_their_own_cores(monkeypatch):
     assert "VLLM_CPU_OMP_THREADS_BIND" not in engine_environment(replace(spec, name="torch", devices=("1",)))
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")
     assert "VLLM_CPU_OMP_THREADS_BIND" not in engine_environment(replace(spec, devices=("1",)))
+
+
+def test_replicas_from_the_flags_get_their_own_cpu_devices(tiny_model_dir):
+    """`proctor serve --replicas 2 --device cpu` (no config): replica i's device is i, so a vLLM
+    replica binds core i (before, every replica of the flags had no device and vLLM bound core 0)."""
+    from proctor.server.config.builder import _flag_replica_spec
+    from proctor.server.engines.base import EngineSpec
+    from proctor.server.worker.client import engine_environment
+
+    spec = EngineSpec(name="vllm", model_path=str(tiny_model_dir), device="cpu")
+    binds = {engine_environment(_flag_replica_spec(spec, i)).get("VLLM_CPU_OMP_THREADS_BIND") for i in range(2)}
+    assert len(binds) == min(2, len(os.sched_getaffinity(0))) and None not in binds
