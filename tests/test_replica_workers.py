@@ -271,3 +271,39 @@ def test_large_result_bytes_cross_out_of_band_as_views_of_the_frame():
     assert isinstance(back.hidden.data, memoryview)  # not copied out of the frame
     assert torch.equal(back.hidden_states, big.tensor()) and torch.equal(back.logprobs, encoded.logprobs)
     assert back.first_row == 3
+
+
+def test_vllm_replicas_on_cpu_bind_their_own_cores(monkeypatch):
+    """Two vLLM replicas on CPU (devices 0 and 1 in the plan) start with different core binds
+    (vLLM's "auto" put both on core 0: a restarting replica starved the serving one); replica i
+    gets core i mod the cores this process may run on; the operator's own bind is left alone, and
+    the torch engine gets none."""
+    from dataclasses import replace
+
+    from proctor.server.engines.base import EngineSpec
+    from proctor.server.worker.client import engine_environment
+
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    cores = sorted(os.sched_getaffinity(0))
+    spec = EngineSpec(name="vllm", model_path="m", device="cpu")
+    binds = [engine_environment(replace(spec, devices=(str(i),))).get("VLLM_CPU_OMP_THREADS_BIND") for i in range(3)]
+    assert binds == [str(cores[i % len(cores)]) for i in range(3)]
+    if len(cores) > 1:
+        assert binds[0] != binds[1]
+    assert engine_environment(replace(spec, devices=("0", "1")))["VLLM_CPU_OMP_THREADS_BIND"] == (
+        f"{cores[0]}|{cores[1 % len(cores)]}")  # one list per tensor-parallel rank
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in engine_environment(replace(spec, name="torch", devices=("1",)))
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in engine_environment(replace(spec, devices=("1",)))
+
+
+def test_replicas_from_the_flags_get_their_own_cpu_devices(tiny_model_dir):
+    """`proctor serve --replicas 2 --device cpu` (no config): replica i's device is i, so a vLLM
+    replica binds core i (before, every replica of the flags had no device and vLLM bound core 0)."""
+    from proctor.server.config.builder import _flag_replica_spec
+    from proctor.server.engines.base import EngineSpec
+    from proctor.server.worker.client import engine_environment
+
+    spec = EngineSpec(name="vllm", model_path=str(tiny_model_dir), device="cpu")
+    binds = {engine_environment(_flag_replica_spec(spec, i)).get("VLLM_CPU_OMP_THREADS_BIND") for i in range(2)}
+    assert len(binds) == min(2, len(os.sched_getaffinity(0))) and None not in binds

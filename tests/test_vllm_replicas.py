@@ -210,3 +210,12 @@ def test_stopped_engine_core_is_detected_within_the_probe_bound_and_its_requests
     after = _metrics(two_replicas)
     scored = "proctor:replica_scored_requests_total"
     assert _total(after, scored) - _total(before, scored) == len(work)
+
+
+def test_each_replica_binds_its_own_cores(two_replicas):
+    """vLLM's CPU backend logs the cores each EngineCore binds (`core ids=[...]`): the two replicas
+    name two different ones (before, both said `core ids=[0]`)."""
+    import re
+
+    binds = set(re.findall(r"core ids=(\[[\d, ]*\])", "".join(two_replicas.log)))
+    assert len(binds) == min(2, len(os.sched_getaffinity(0))), binds

@@ -138,6 +138,15 @@ def load_server_config(path: str | Path, *, host: str | None = None) -> tuple[Ro
     return build_router(plan), server_options(plan, host=host)
 
 
+def _flag_replica_spec(spec: EngineSpec, index: int) -> EngineSpec:
+    """Replica `index`'s spec: on CPU its device is `index`, as a config's plan numbers CPU devices
+    (a vLLM replica binds its own cores from it, `engines/vllm/args.cpu_binding_environment`);
+    an accelerator's replicas share the one device the flags name."""
+    if spec.device == "cpu" and not spec.devices:
+        return replace(spec, devices=(str(index),))
+    return spec
+
+
 def single_teacher_router(
     spec: EngineSpec, *, name: str = "default", replicas: int = 1, health_check_interval_s: float | None = 5.0
 ) -> Router:
@@ -147,7 +156,8 @@ def single_teacher_router(
     from proctor.server.worker.replica_engine import create_replica_engine
 
     ids = [f"{name}-{i}" for i in range(replicas)]
-    replica_set = [engine_replica(i, partial(create_replica_engine, spec, name=i)) for i in ids]
+    replica_set = [engine_replica(i, partial(create_replica_engine, _flag_replica_spec(spec, index), name=i))
+                   for index, i in enumerate(ids)]
     reuse = ReuseSettings.from_inference(spec.inference)
     return Router([ReplicaSet(name, replica_set, health_check_interval_s=health_check_interval_s, prompt_reuse=reuse,
                               tokenizer_path=spec.model_path, drift=DriftSettings.from_inference(spec.inference))])

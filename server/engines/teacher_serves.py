@@ -29,6 +29,21 @@ def sequence_problem(info: EngineInfo, teacher: str, count: int) -> Problem:
                          f"({info.max_sequence_tokens}: max_model_len {info.max_model_len}{spare})")
 
 
+# Numbers a request body may hold beside its id lists: scalars (prompt_length, topk, temperature)
+# and a processor's kwargs. Generous: what it bounds is millions of ids, not a dozen settings.
+BODY_SCALAR_NUMBERS = 4096
+
+
+def most_body_numbers(info: EngineInfo, *, sequences: int = 1, score_ids: bool = True) -> int:
+    """The most numbers a JSON body of `sequences` sequences can hold and still be served by the
+    teacher: per sequence its ids (`max_sequence_tokens`) and, for a `/v1/score` body (`score_ids`),
+    an aligned request's teacher-prompt ids (as many) and up to `max_topk` score_ids on each row. A body with more is
+    refused before it is parsed (`front.bounded_json`), whatever it asks."""
+    length = info.max_sequence_tokens
+    per_sequence = length + (length + length * info.max_topk if score_ids else 0)
+    return sequences * per_sequence + BODY_SCALAR_NUMBERS
+
+
 def outputs_problem(info: EngineInfo, teacher: str, *, topk: int, hidden_states: bool, hidden_form: str) -> Problem:
     """A top-k wider than served, hidden states (or a hidden form) the teacher does not give."""
     if topk > info.max_topk:

@@ -7,8 +7,10 @@ interceptor for the scoring service only; health and reflection stay open for pr
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
+from typing import NoReturn
 
 import grpc
 from google.protobuf.message import DecodeError, Message
@@ -29,14 +31,31 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = scoring_pb2.DESCRIPTOR.services_by_name["TeacherScoring"].full_name
 
 
-async def _abort(context: grpc.aio.ServicerContext, error: ScoringError) -> None:
+async def _abort(context: grpc.aio.ServicerContext, error: ScoringError) -> NoReturn:
+    """End the call with `error`'s status (raises, as `context.abort` does). A call that has
+    already ended (its deadline passed or its client left while the error was on its way) has
+    nobody to answer: one debug line and CancelledError, which grpc.aio takes quietly, where
+    aborting it would fail in core and be logged as a traceback at ERROR."""
+    if context.cancelled() or context.done():
+        _ended(context, error)
     metadata = []
     if error.retry_after is not None:
         metadata.append((GRPC_RETRY_AFTER_KEY, f"{error.retry_after:g}"))
         metadata.append((GRPC_PUSHBACK_KEY, str(int(error.retry_after * 1000))))
     if metadata:
         context.set_trailing_metadata(tuple(metadata))
-    await context.abort(error.code.grpc_status, error.message)
+    try:
+        await context.abort(error.code.grpc_status, error.message)
+    except grpc.aio.AbortError:
+        raise
+    except grpc.aio.InternalError:  # core's "execute_batch" failed: the call ended in between
+        _ended(context, error)
+    raise AssertionError("context.abort returned")  # pragma: no cover - abort always raises
+
+
+def _ended(context: grpc.aio.ServicerContext, error: ScoringError) -> NoReturn:
+    log.debug("call ended before its error could be sent (%s: %s)", error.code.name, error.message)
+    raise asyncio.CancelledError
 
 
 def _deadline(context: grpc.aio.ServicerContext) -> float | None:

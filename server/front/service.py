@@ -31,6 +31,7 @@ from proctor.server.engines.base import EngineResult
 from proctor.server.engines.fingerprint import tokenizer_fingerprint
 from proctor.server.engines.hidden_forms import projected_unembedding
 from proctor.server.engines.media import MediaLimits
+from proctor.server.engines.teacher_serves import most_body_numbers
 from proctor.server.front.aligned_scoring import AlignedScoring
 from proctor.server.front.fleet.routing import ReplicaSet, Router
 from proctor.server.front.validation import ValidRequest, check_finite, decode, request_mode, validate
@@ -258,6 +259,16 @@ class ScoringService:
             raise ScoringError(Code.DEADLINE_EXCEEDED, f"not scored within the deadline ({limit:.3f}s)") from exc
 
     # -- catalogue -------------------------------------------------------------------------
+    def most_body_numbers(self, *, sequences: int = 1, score_ids: bool = True) -> int | None:
+        """The most numbers a JSON body may hold before it is parsed (`teacher_serves.most_body_numbers`
+        for the teacher that accepts the most: the key is not known before the parse). None while a
+        teacher is still loading (no bound known yet; the rules after the parse still hold)."""
+        try:
+            infos = [teacher_set.info for teacher_set in self.router.teachers.values()]
+        except ScoringError:
+            return None
+        return max((most_body_numbers(info, sequences=sequences, score_ids=score_ids) for info in infos), default=None)
+
     def teacher_infos(self) -> list[scoring_pb2.TeacherInfo]:
         infos = []
         for teacher_set in self.router.teachers.values():

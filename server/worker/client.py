@@ -46,6 +46,7 @@ from proctor.server.engines.base import (
     started_info,
 )
 from proctor.server.engines.invariance import invariance_environment
+from proctor.server.engines.vllm.args import cpu_binding_environment
 from proctor.server.worker import messages
 from proctor.server.worker.arena import create_arena
 from proctor.server.worker.pool import VISIBLE_DEVICES_ENV
@@ -58,15 +59,17 @@ CLOSE_GRACE_S = 10.0
 
 
 def engine_environment(spec: EngineSpec) -> dict[str, str]:
-    """The variables a replica's engine processes must start with: its visible devices, and the
-    switch of vLLM's batch-invariant mode for a batch-invariant vLLM teacher (`invariance`)."""
+    """The variables a replica's engine processes must start with: its visible devices (on CPU, a
+    vLLM replica's own cores: `cpu_binding_environment`), and the switch of vLLM's batch-invariant
+    mode for a batch-invariant vLLM teacher (`invariance`)."""
     kind = spec.device.split(":", 1)[0]
     var = VISIBLE_DEVICES_ENV.get(kind)
     devices = list(spec.devices)
     if not devices and ":" in spec.device:
         devices = [spec.device.split(":", 1)[1]]
     visible = {var: ",".join(devices)} if var is not None and devices else {}
-    return {**visible, **invariance_environment(spec)}
+    cores = sorted(os.sched_getaffinity(0))
+    return {**visible, **invariance_environment(spec), **cpu_binding_environment(spec, cores, os.environ)}
 
 
 def host_spec(spec: EngineSpec) -> EngineSpec:

@@ -110,3 +110,8 @@ def vllm_error_types() -> tuple[tuple[type, ...], tuple[type, ...]]:
 # forward ("'function' object is not subscriptable"); vllm-ascend does not claim the mode.
 BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
 BATCH_INVARIANT_DEVICES = ("cuda",)
+
+# vLLM's CPU backend binds each worker's OpenMP threads to the cores this variable lists ("0-3",
+# "|" between the ranks of one engine); its default, "auto", picks cores by NUMA node alone, so
+# every replica of one server lands on the same cores (`vllm/utils/ompmultiprocessing.py`).
+CPU_THREADS_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"

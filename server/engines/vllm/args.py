@@ -18,6 +18,7 @@ from proctor.server.engines.base import (
     serving_dtype,
 )
 from proctor.server.engines.checkpoint import model_facts
+from proctor.server.engines.vllm.adapter import CPU_THREADS_BIND_ENV
 
 log = logging.getLogger(__name__)
 
@@ -132,3 +133,17 @@ def scoring_sampling_kwargs(topk: int) -> dict[str, Any]:
 def engine_request_id(request: EngineRequest) -> str:
     """Unique per attempt: the service may retry one request id on the same engine."""
     return f"{request.request_id}-{uuid.uuid4().hex[:12]}"
+
+
+def cpu_binding_environment(spec: EngineSpec, cores: list[int], environ: Mapping[str, str]) -> dict[str, str]:
+    """The cores a vLLM replica on CPU binds its compute to: its own, as a GPU replica gets its own
+    devices. The plan numbers a CPU replica's devices like GPUs (replica i: device i, one per rank);
+    device d runs on the machine's core `cores[d mod len(cores)]`. Left to vLLM's "auto", two
+    replicas bind the same core, and one that restarts starves the one serving. A bind the operator
+    set in the server's environment is theirs (nothing added)."""
+    if spec.name != "vllm" or spec.device.split(":", 1)[0] != "cpu" or not spec.devices or not cores:
+        return {}
+    if CPU_THREADS_BIND_ENV in environ:
+        return {}
+    ranks = [str(cores[int(device) % len(cores)]) for device in spec.devices if device.isdigit()]
+    return {CPU_THREADS_BIND_ENV: "|".join(ranks)} if ranks else {}

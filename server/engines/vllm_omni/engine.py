@@ -247,6 +247,7 @@ class VllmOmniEngine(VllmFamilyEngine):
             raise
         finally:
             self._engine_ids.pop(request.key, None)
+            del consumer  # its error, raised here, would hold this frame holding it (a cycle)
         result = self.forms.shrink(read_result(request, final, self._media, self._dtype), request)
         if request.score_ids is not None and isinstance(result, EngineResult):
             result.score_logprobs = await asyncio.to_thread(self._score_ids_from_hidden, request, final)
@@ -262,11 +263,17 @@ class VllmOmniEngine(VllmFamilyEngine):
         death = self._death
         if death is None:
             return await consumer
-        done, _ = await asyncio.wait({consumer, death}, return_when=asyncio.FIRST_COMPLETED)
-        if consumer in done:
-            return consumer.result()
-        consumer.cancel()
-        raise EngineError(death.result())
+        done: set[asyncio.Future] = set()
+        try:
+            done, _ = await asyncio.wait({consumer, death}, return_when=asyncio.FIRST_COMPLETED)
+            if consumer in done:
+                return consumer.result()
+            consumer.cancel()
+            raise EngineError(death.result())
+        finally:
+            # consumer.result() raising puts this frame in the error's traceback, and the frame holds
+            # the consumer that holds the error: a cycle keeping the request's frames until gc runs.
+            del consumer, done
 
     async def _final_output(self, request: EngineRequest, engine_id: str) -> Any:
         final = None

@@ -56,16 +56,22 @@ async def cancel_on_disconnect(request: Request, work: Coroutine[Any, Any, T]) -
     handler = asyncio.ensure_future(work)
     listener = asyncio.ensure_future(_disconnected(request.receive))
     try:
-        await asyncio.wait((handler, listener), return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
+        try:
+            await asyncio.wait((handler, listener), return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            handler.cancel()
+            raise
+        finally:
+            if not listener.cancel() and not listener.cancelled():
+                listener.exception()  # a receive() that failed: the connection is gone all the same
+        if handler.done():
+            return handler.result()
         handler.cancel()
-        raise
+        with contextlib.suppress(asyncio.CancelledError, ScoringError):  # withdrawn before answering 499
+            await handler
+        raise ClientGone
     finally:
-        if not listener.cancel() and not listener.cancelled():
-            listener.exception()  # a receive() that failed: the connection is gone all the same
-    if handler.done():
-        return handler.result()
-    handler.cancel()
-    with contextlib.suppress(asyncio.CancelledError, ScoringError):  # withdrawn before answering 499
-        await handler
-    raise ClientGone
+        # `handler.result()` raising puts this frame in the error's traceback; the frame holds the
+        # task and the task its error: a cycle that would keep the body and the decoded request
+        # (every frame of the work) alive until the cyclic collector runs. Break it here.
+        del handler, listener

@@ -83,10 +83,19 @@ async def score_all(service: ScoringService, teacher_set: ReplicaSet, messages: 
     try:
         return await asyncio.gather(*jobs)
     finally:
-        if not all(job.done() for job in jobs):
-            for job in jobs:
-                job.cancel()
-            await asyncio.gather(*jobs, return_exceptions=True)
+        await _withdraw(jobs)
+        # A job's error raised here holds this frame, which holds the jobs: release them, or the
+        # call's requests live until the cyclic collector runs (see `cancellation`).
+        jobs.clear()
+
+
+async def _withdraw(jobs: list[asyncio.Future]) -> None:
+    """Cancel the jobs not yet done and wait for them (in a frame of its own, so that no job is
+    left in the caller's)."""
+    if not all(job.done() for job in jobs):
+        for job in jobs:
+            job.cancel()
+        await asyncio.gather(*jobs, return_exceptions=True)
 
 
 @dataclass(frozen=True)
@@ -100,8 +109,8 @@ class _Scored:
     scored: list[ScoredRequest]
 
 
-def _parse(raw: bytes) -> CompletionBody:
-    return CompletionBody.check(loads_bounded(raw, field="body"))
+def _parse(raw: bytes, max_numbers: int | None) -> CompletionBody:
+    return CompletionBody.check(loads_bounded(raw, field="body", max_numbers=max_numbers))
 
 
 class CompletionsServing:
@@ -160,7 +169,9 @@ class CompletionsServing:
 
     async def _score(self, request: Request, raw: bytes) -> _Scored:
         large = len(raw) > INLINE_BODY_BYTES
-        ask = await off_loop_if(large, _parse, raw)
+        # A call's prompts are admitted one request each: more than the queue holds cannot be served.
+        most = self.service.most_body_numbers(sequences=self.service.limits.max_queue_requests, score_ids=False)
+        ask = await off_loop_if(large, _parse, raw, most)
         template = _template(ask, routing_key(self.service.router, path_key(request.scope.get("state")), ask.model, "model"))
         try:
             teacher_set = self.service.route(template)

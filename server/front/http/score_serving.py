@@ -39,8 +39,9 @@ from proctor.server.front.service import ScoredRequest, ScoringService
 SCORE_OPENAPI = ScoreBody.openapi_body(**{PROTOBUF_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}})
 
 
-def decode_body(raw: bytes, kind: str) -> scoring_pb2.ScoreRequest:
-    """A ScoreRequest from a JSON or protobuf body; ScoringError names what is wrong."""
+def decode_body(raw: bytes, kind: str, max_numbers: int | None = None) -> scoring_pb2.ScoreRequest:
+    """A ScoreRequest from a JSON or protobuf body; ScoringError names what is wrong. A JSON body
+    holding more than `max_numbers` numbers is refused before it is parsed."""
     if kind == PROTOBUF_MEDIA_TYPE:
         message = scoring_pb2.ScoreRequest()
         try:
@@ -49,7 +50,7 @@ def decode_body(raw: bytes, kind: str) -> scoring_pb2.ScoreRequest:
             raise invalid("body", "is not a valid ScoreRequest protobuf") from exc
         return message
     if kind in ("application/json", ""):
-        return ScoreBody.check(loads_bounded(raw, field="body")).message()
+        return ScoreBody.check(loads_bounded(raw, field="body", max_numbers=max_numbers)).message()
     raise invalid("content-type", f"{kind!r} is not supported: use application/json or {PROTOBUF_MEDIA_TYPE}")
 
 
@@ -75,7 +76,8 @@ class ScoreServing:
         return answer(request, scored)
 
     async def _decode_and_score(self, request: Request, raw: bytes, *, unary: bool) -> ScoredRequest:
-        message = await off_loop_if(len(raw) > INLINE_BODY_BYTES, decode_body, raw, content_type(request))
+        message = await off_loop_if(len(raw) > INLINE_BODY_BYTES, decode_body, raw, content_type(request),
+                                    self.service.most_body_numbers())
         message.teacher_key = routing_key(self.service.router, path_key(request.scope.get("state")),
                                           message.teacher_key, "teacher_key")
         return await self.service.score(message, timeout=request_timeout(request), unary=unary)

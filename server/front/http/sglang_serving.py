@@ -50,8 +50,8 @@ def teacher_key(request: Request) -> str:
     return path_key(request.scope.get("state")) or ""
 
 
-def _parse(raw: bytes) -> GenerateBody:
-    return GenerateBody.check(loads_bounded(raw, field="body"))
+def _parse(raw: bytes, most: int | None) -> GenerateBody:
+    return GenerateBody.check(loads_bounded(raw, field="body", max_numbers=most))
 
 
 def eos_ids(tokenizer: Any, directory: Path | None) -> frozenset[int]:
@@ -164,7 +164,10 @@ class SglangServing:
 
     async def _score(self, request: Request, raw: bytes) -> _Scored:
         large = len(raw) > INLINE_BODY_BYTES
-        body = await off_loop_if(large, _parse, raw)
+        # a batch's prompts are admitted one request each, each with its token_ids_logprob (a row's
+        # worth at most): a body with more numbers than that is refused before its parse
+        most = self.service.most_body_numbers(sequences=self.service.limits.max_queue_requests, score_ids=False)
+        body = await off_loop_if(large, _parse, raw, None if most is None else 2 * most)
         key = teacher_key(request)
         teacher_set = self.route(key)
         tokenizer = await self.tokenizers.tokenizer(teacher_set)

@@ -107,12 +107,12 @@ def _eos_ids(teacher_set: ReplicaSet, tokenizer: Any) -> frozenset[int]:
     return frozenset(ids)
 
 
-def _parse(raw: bytes) -> GenerateBody:
-    return GenerateBody.check(loads_bounded(raw, field="body"))
+def _parse(raw: bytes, most: int | None) -> GenerateBody:
+    return GenerateBody.check(loads_bounded(raw, field="body", max_numbers=most))
 
 
-def _prepare(raw: bytes) -> tuple[GenerateBody, GeneratePlan, scoring_pb2.ScoreRequest]:
-    ask = _parse(raw)
+def _prepare(raw: bytes, most: int | None) -> tuple[GenerateBody, GeneratePlan, scoring_pb2.ScoreRequest]:
+    ask = _parse(raw, most)
     plan = plan_of(ask)
     return ask, plan, build_request(ask, plan)
 
@@ -150,7 +150,9 @@ class TitoServing:
         return Response(payload, media_type="application/json")
 
     async def _score(self, request: Request, raw: bytes) -> tuple:
-        ask, plan, message = await off_loop_if(len(raw) > INLINE_BODY_BYTES, _prepare, raw)
+        # one sequence and its candidate ids per row: a body with more numbers is refused before its parse
+        ask, plan, message = await off_loop_if(len(raw) > INLINE_BODY_BYTES, _prepare, raw,
+                                               self.service.most_body_numbers())
         message.teacher_key = routing_key(self.service.router, path_key(request.scope.get("state")),
                                           message.teacher_key, "model")
         teacher_set = self.service.route(message)

@@ -30,8 +30,8 @@ _TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "return
 _DETOKENIZE_FIELDS = {"model", "tokens"}
 
 
-def _parse(raw: bytes) -> Any:
-    return loads_bounded(raw, field="body")
+def _parse(raw: bytes, most: int | None) -> Any:
+    return loads_bounded(raw, field="body", max_numbers=most)
 
 
 def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
@@ -114,7 +114,8 @@ class TokenizeServing:
 
     async def _call(self, request: Request, fields: set[str]) -> tuple[dict[str, Any], ReplicaSet, Any]:
         raw = await read_body(request, self.max_body_bytes)
-        body = _known(await off_loop_if(len(raw) > INLINE_BODY_BYTES, _parse, raw), fields)
+        body = _known(await off_loop_if(len(raw) > INLINE_BODY_BYTES, _parse, raw,
+                                        self.service.most_body_numbers(score_ids=False)), fields)
         key = routing_key(self.service.router, path_key(request.scope.get("state")), body.get("model") or "", "model")
         self.service.check_serving()
         teacher_set = self.service.router.route(key)

@@ -1,0 +1,483 @@
+"""A soak: steady mixed load on every surface for a set time, faults on a schedule, and one table
+that says whether anything was lost, wrong or leaked.
+
+`proctor serve` (the tiny teacher, two replicas in worker processes; `--engine vllm` for vLLM
+replicas at gpu_memory_utilization 0.12) runs in its own process. Client threads send the request
+kinds of `KINDS` in turn, each answer checked against the reference teacher (float64 log-softmax,
+`tests/support/reference.py`). On a schedule (fractions of `--minutes`): a replica worker
+SIGKILLed, one SIGSTOPped for 20 s, hostile floods (oversized bodies, deep JSON, bad media,
+unknown keys), slow stream readers and mid-request cancels, another SIGKILL (of a vLLM EngineCore
+with `--engine vllm`), and at the end a SIGTERM drain under load and a restart.
+
+Printed: sent / answered correctly / refused as expected / lost / wrong per kind; each process's
+RSS, fds and threads at warm-up and at the end; p50/p99 per phase beside the quiet phase; the
+server's Prometheus counts beside the clients' own.
+
+    python bench/soak.py [--minutes 60] [--engine torch|vllm] [--clients 3] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import httpx
+import numpy as np
+import psutil
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from proctor.proto import scoring_pb2, scoring_pb2_grpc
+from proctor.proto.codec import decode_tensor, encode_tensor
+
+from support.reference import reference_rows
+from support.scoring import sequences
+from support.servers import SubprocessServer, engine_cores
+
+ATOL = 1e-4
+TOPK = 4
+KILL_WINDOW_S = 15.0  # latencies this long after a kill are the failover's, not the steady state's
+EXPECTED_REFUSALS = {"UNAVAILABLE", "RESOURCE_EXHAUSTED", 429, 503}
+
+
+# -- the request kinds: each sends one call and returns the log-probs of rows 1..T-1 (numpy) ------
+
+@dataclass
+class Target:
+    grpc_target: str
+    http_url: str
+    stub: scoring_pb2_grpc.TeacherScoringStub
+
+
+class Refused(Exception):
+    """An answer the caller is told to retry (UNAVAILABLE, 429, 503): expected while draining."""
+
+
+def _grpc(call: Callable[[], object]):
+    try:
+        return call()
+    except grpc.RpcError as error:
+        if error.code().name in EXPECTED_REFUSALS:
+            raise Refused(error.code().name) from None
+        raise
+
+
+def _http(reply: httpx.Response) -> httpx.Response:
+    if reply.status_code in EXPECTED_REFUSALS:
+        raise Refused(str(reply.status_code))
+    if reply.status_code != 200:
+        raise RuntimeError(f"HTTP {reply.status_code}: {reply.text[:200]}")
+    return reply
+
+
+def grpc_unary(t: Target, ids: list[int]) -> np.ndarray:
+    answer = _grpc(lambda: t.stub.Score(scoring_pb2.ScoreRequest(token_ids=ids, logprobs=True, topk=TOPK), timeout=60))
+    return decode_tensor(answer.logprobs).double().numpy()
+
+
+def grpc_stream_hidden(t: Target, ids: list[int]) -> np.ndarray:
+    request = scoring_pb2.ScoreRequest(token_ids=ids, logprobs=True, hidden_states=True)
+    chunks = _grpc(lambda: list(t.stub.ScoreStream(request, timeout=60)))
+    first = chunks[0].response
+    rows = sum(decode_tensor(c.response.hidden_states).shape[0] for c in chunks if c.response.HasField("hidden_states"))
+    if rows != len(ids) - 1 or not chunks[-1].last:
+        raise AssertionError(f"hidden states: {rows} rows for {len(ids) - 1}")
+    return decode_tensor(first.logprobs).double().numpy()
+
+
+def http_json(t: Target, ids: list[int]) -> np.ndarray:
+    reply = _http(httpx.post(t.http_url + "/v1/score", json={"token_ids": ids, "logprobs": True, "topk": TOPK},
+                             timeout=60))
+    return np.array(reply.json()["logprobs"][1:], dtype=np.float64)
+
+
+def http_protobuf(t: Target, ids: list[int]) -> np.ndarray:
+    body = scoring_pb2.ScoreRequest(token_ids=ids, logprobs=True).SerializeToString()
+    reply = _http(httpx.post(t.http_url + "/v1/score", content=body, timeout=60,
+                             headers={"content-type": "application/x-protobuf"}))
+    return decode_tensor(scoring_pb2.ScoreResponse.FromString(reply.content).logprobs).double().numpy()
+
+
+def completions(t: Target, ids: list[int]) -> np.ndarray:
+    reply = _http(httpx.post(t.http_url + "/v1/completions", timeout=60,
+                             json={"prompt": ids, "max_tokens": 1, "prompt_logprobs": 1}))
+    rows = reply.json()["choices"][0]["prompt_logprobs"][1:]
+    return np.array([row[str(token)]["logprob"] for row, token in zip(rows, ids[1:], strict=True)])
+
+
+def score_ids(t: Target, ids: list[int]) -> np.ndarray:
+    """score_ids: the actual token and two fixed ids per row; the actual token's column is checked
+    as the log-prob, the fixed ones against the reference's distribution (in `check`)."""
+    table = torch.tensor([[token, 1, 2] for token in ids[1:]], dtype=torch.int32)
+    request = scoring_pb2.ScoreRequest(token_ids=ids, score_ids=encode_tensor(table, first_row=1))
+    answer = _grpc(lambda: t.stub.Score(request, timeout=60))
+    return decode_tensor(answer.score_logprobs).double().numpy()
+
+
+# name -> one call. The SGLang `/generate` and vLLM `/inference/v1/generate` kinds join here as they
+# land on main: a function (Target, ids) -> the log-probs of rows 1..T-1, raising Refused where the
+# surface says "retry" (a 503 while draining).
+KINDS: dict[str, Callable[[Target, list[int]], np.ndarray]] = {
+    "grpc unary": grpc_unary,
+    "grpc stream hidden": grpc_stream_hidden,
+    "http json": http_json,
+    "http protobuf": http_protobuf,
+    "completions": completions,
+    "score_ids": score_ids,
+}
+
+
+# -- the hostile calls: each must be refused with a 4xx, never a 5xx, a hang or a crash -----------
+
+def _hostile_post(url: str, body: bytes, kind: str = "application/json", path: str = "/v1/score") -> None:
+    reply = httpx.post(url + path, content=body, headers={"content-type": kind}, timeout=60)
+    if not 400 <= reply.status_code < 500:
+        raise AssertionError(f"hostile {path}: {reply.status_code} {reply.text[:200]}")
+
+
+HOSTILE: dict[str, Callable[[str], None]] = {
+    "oversized body (2M ids)": lambda url: _hostile_post(url, b'{"token_ids": [' + b"12345," * 2_000_000 + b"1]}"),
+    "oversized completions": lambda url: _hostile_post(
+        url, b'{"max_tokens": 1, "prompt_logprobs": 0, "prompt": [' + b"12345," * 2_000_000 + b"1]}",
+        path="/v1/completions"),
+    "deep JSON": lambda url: _hostile_post(url, b"[" * 100_000 + b"]" * 100_000),
+    "bad media": lambda url: _hostile_post(url, json.dumps({"token_ids": [1, 2, 3], "logprobs": True, "images": [
+        {"data": "bm90IGFuIGltYWdl", "media_type": "image/png"}]}).encode()),
+    "unknown key": lambda url: _hostile_post(url, b'{"token_ids": [1, 2, 3], "logprobs": true, "tokne_ids": [1]}'),
+}
+
+
+# -- bookkeeping ---------------------------------------------------------------------------------
+
+@dataclass
+class Tally:
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    counts: dict = field(default_factory=lambda: defaultdict(lambda: defaultdict(int)))
+    latencies: list = field(default_factory=list)  # (time, kind, seconds)
+    failures: list = field(default_factory=list)
+
+    def add(self, kind: str, outcome: str, *, latency: float | None = None, note: str = "") -> None:
+        with self.lock:
+            self.counts[kind]["sent"] += 1
+            self.counts[kind][outcome] += 1
+            if latency is not None:
+                self.latencies.append((time.monotonic(), kind, latency))
+            if note and len(self.failures) < 50:
+                self.failures.append(f"{kind}: {note}"[:300])
+
+
+class References:
+    """The reference teacher's log-probs and full distributions per sequence, computed once."""
+
+    def __init__(self, model_dir: Path, work: list[list[int]]) -> None:
+        self.rows = {tuple(ids): reference_rows(model_dir, ids) for ids in work}
+
+    def check(self, kind: str, ids: list[int], got: np.ndarray) -> bool:
+        ref = self.rows[tuple(ids)]
+        if kind == "score_ids":
+            wanted = ref.distributions[:, [1, 2]].numpy()
+            return got.shape == (len(ids) - 1, 3) and np.allclose(got[:, 0], ref.logprobs.numpy(), atol=ATOL) and (
+                np.allclose(got[:, 1:], wanted, atol=ATOL))
+        return got.shape == (len(ids) - 1,) and np.allclose(got, ref.logprobs.numpy(), atol=ATOL)
+
+
+def client_loop(target: Callable[[], Target], refs: References, work: list[list[int]], tally: Tally,
+                stop: threading.Event, offset: int, down: threading.Event) -> None:
+    """The kinds in turn until `stop`. While `down` is set (the server draining, gone, restarting),
+    a refused connection is the answer expected; at any other time it is a lost request."""
+    names = list(KINDS)
+    index = offset
+    while not stop.is_set():
+        kind, ids = names[index % len(names)], work[index % len(work)]
+        index += 1
+        started = time.perf_counter()
+        try:
+            got = KINDS[kind](target(), ids)
+        except Refused as refused:
+            tally.add(kind, "refused as expected", note=f"refused {refused}")
+            time.sleep(0.2)
+            continue
+        except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError) as exc:
+            tally.add(kind, "refused as expected" if down.is_set() else "lost", note=repr(exc))
+            time.sleep(0.2)
+            continue
+        except Exception as exc:  # every other failure is a lost request
+            tally.add(kind, "lost", note=repr(exc))
+            continue
+        ok = refs.check(kind, ids, got)
+        tally.add(kind, "answered correctly" if ok else "wrong", latency=time.perf_counter() - started,
+                  note="" if ok else f"max diff on {len(ids)} ids")
+
+
+def hostile_burst(url: str, tally: Tally, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        for name, call in HOSTILE.items():
+            try:
+                call(url)
+                tally.add("hostile: " + name, "refused as expected")
+            except Exception as exc:
+                tally.add("hostile: " + name, "wrong", note=repr(exc))
+
+
+def slow_readers_and_cancels(t: Target, refs: References, work: list[list[int]], tally: Tally, seconds: float) -> None:
+    """Streams read a chunk at a time with pauses, and unary calls cancelled 20 ms in."""
+    deadline, index = time.monotonic() + seconds, 0
+    while time.monotonic() < deadline:
+        ids = work[index % len(work)]
+        index += 1
+        request = scoring_pb2.ScoreRequest(token_ids=ids, logprobs=True, hidden_states=True)
+        try:
+            chunks = []
+            for chunk in t.stub.ScoreStream(request, timeout=60):
+                chunks.append(chunk)
+                time.sleep(1.0)
+            ok = refs.check("slow stream reader", ids, decode_tensor(chunks[0].response.logprobs).double().numpy())
+            tally.add("slow stream reader", "answered correctly" if ok else "wrong")
+        except Exception as exc:
+            tally.add("slow stream reader", "lost", note=repr(exc))
+        future = t.stub.Score.future(scoring_pb2.ScoreRequest(token_ids=ids, logprobs=True), timeout=60)
+        time.sleep(0.02)
+        future.cancel()
+        tally.add("cancelled mid-request", "refused as expected" if future.cancelled() else "answered correctly")
+
+
+# -- processes -----------------------------------------------------------------------------------
+
+def replica_workers(server: SubprocessServer) -> list[psutil.Process]:
+    out = []
+    for proc in psutil.Process(server.proc.pid).children():
+        try:
+            if "proctor.server.worker.main" in " ".join(proc.cmdline()):
+                out.append(proc)
+        except psutil.Error:
+            continue
+    return out
+
+
+def sample(server: SubprocessServer) -> dict[str, tuple[float, int, int]]:
+    """role -> (RSS MB, open fds, threads): the front, and each replica worker with its engine
+    processes (a restarted worker is the same role)."""
+    out = {}
+    procs = {"front": [psutil.Process(server.proc.pid)]}
+    for index, worker in enumerate(sorted(replica_workers(server), key=lambda p: p.create_time())):
+        procs[f"replica worker {index}"] = [worker, *worker.children(recursive=True)]
+    for role, members in procs.items():
+        rss = fds = threads = 0
+        for proc in members:
+            try:
+                rss += proc.memory_info().rss
+                fds += proc.num_fds()
+                threads += proc.num_threads()
+            except psutil.Error:
+                continue
+        out[role] = (rss / 1e6, fds, threads)
+    return out
+
+
+def metrics_outcomes(url: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = defaultdict(float)
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
+        for s in family.samples:
+            if s.name == "proctor:requests_total":
+                out[s.labels["outcome"]] += s.value
+    return dict(out)
+
+
+def serve(model_dir: Path, engine: str) -> SubprocessServer:
+    args = ["--model", str(model_dir), "--teacher-name", "tiny", "--replicas", "2", "--device", "cpu",
+            "--max-topk", "8", "--health-check-interval-s", "1", "--max-model-len", "512"]
+    if engine == "vllm":
+        args += ["--engine", "vllm", "--inference", "gpu_memory_utilization=0.12", "--inference",
+                 "enforce_eager=true"]
+    return SubprocessServer(args, startup_timeout=600)
+
+
+# -- the run -------------------------------------------------------------------------------------
+
+def run(minutes: float, engine: str, clients: int, log: Callable[[str], None] = print) -> dict:
+    from proctor.server.cli.tiny_model import make_tiny_model
+
+    total = minutes * 60
+    model_dir = make_tiny_model(Path(tempfile.mkdtemp(prefix="soak-")), num_heads=2, num_kv_heads=1)
+    work = sequences(12, seed=43, length=(16, 96))
+    refs = References(model_dir, work)
+    server = serve(model_dir, engine)
+    state = {"target": None}
+
+    def connect(s: SubprocessServer) -> None:
+        channel = grpc.insecure_channel(s.grpc_target)
+        state["target"] = Target(s.grpc_target, s.http_url, scoring_pb2_grpc.TeacherScoringStub(channel))
+
+    connect(server)
+    tally, stop, down = Tally(), threading.Event(), threading.Event()
+    threads = [threading.Thread(target=client_loop, args=(lambda: state["target"], refs, work, tally, stop, i * 2, down),
+                                daemon=True) for i in range(clients)]
+    started = time.monotonic()
+    for thread in threads:
+        thread.start()
+    events: list[tuple[float, str]] = []
+    kills: list[float] = []
+    samples: list[tuple[float, dict]] = []
+
+    def at(fraction: float) -> None:
+        while time.monotonic() - started < fraction * total:
+            time.sleep(0.5)
+            if not samples or time.monotonic() - samples[-1][0] > 10:
+                samples.append((time.monotonic(), sample(server)))
+
+    def event(what: str) -> None:
+        events.append((time.monotonic() - started, what))
+        log(f"[{time.monotonic() - started:7.1f}s] {what}")
+
+    quiet_end = 0.15
+    at(quiet_end)
+    warm = sample(server)
+    event("quiet phase over; warm-up sample taken")
+    at(0.2)
+    victim = replica_workers(server)[0]
+    victim.kill()
+    kills.append(time.monotonic())
+    event(f"SIGKILL replica worker {victim.pid}")
+    at(0.35)
+    stopped = replica_workers(server)[-1]
+    stopped.send_signal(signal.SIGSTOP)
+    event(f"SIGSTOP replica worker {stopped.pid} for 20 s")
+    time.sleep(min(20.0, 0.1 * total))
+    try:
+        stopped.send_signal(signal.SIGCONT)
+        event("SIGCONT")
+    except psutil.NoSuchProcess:
+        event("SIGCONT: the supervisor had already replaced the stopped worker")
+    kills.append(time.monotonic())
+    at(0.45)
+    event("hostile floods")
+    hostile = threading.Thread(target=hostile_burst, args=(server.http_url, tally, 0.1 * total), daemon=True)
+    hostile.start()
+    at(0.55)
+    event("slow stream readers and mid-request cancels")
+    slow = threading.Thread(target=slow_readers_and_cancels, args=(state["target"], refs, work, tally, 0.1 * total),
+                            daemon=True)
+    slow.start()
+    at(0.7)
+    hostile.join()
+    slow.join()
+    if engine == "vllm":
+        cores = engine_cores(server)
+        victim_core = next(iter(cores.values()))
+        victim_core.kill()
+        event(f"SIGKILL EngineCore {victim_core.pid}")
+    else:
+        victim = replica_workers(server)[0]
+        victim.kill()
+        event(f"SIGKILL replica worker {victim.pid}")
+    kills.append(time.monotonic())
+    at(0.97)
+    end = sample(server)
+    counted = metrics_outcomes(server.http_url)
+    with tally.lock:
+        clients_ok = sum(c["answered correctly"] for k, c in tally.counts.items() if not k.startswith("hostile"))
+    event("SIGTERM: drain under load")
+    down.set()
+    drain_started = time.monotonic()
+    code = server.stop(timeout=120)
+    drain_s = time.monotonic() - drain_started
+    event(f"server exited {code} after {drain_s:.1f}s; restarting")
+    server = serve(model_dir, engine)
+    connect(server)
+    down.clear()
+    restarted = time.monotonic()
+    time.sleep(10)
+    stop.set()
+    for thread in threads:
+        thread.join(timeout=120)
+    with tally.lock:
+        after_restart = sum(1 for t, _, _ in tally.latencies if t > restarted)
+    event(f"restarted server answered {after_restart} checked requests in 10 s; stopping")
+    server.stop()
+    result = report(tally, warm, end, started, total, quiet_end, kills, counted, clients_ok, events, drain_s, code)
+    result["after_restart"] = after_restart
+    return result
+
+
+def _percentiles(values: list[float]) -> tuple[float, float]:
+    if not values:
+        return float("nan"), float("nan")
+    return float(np.percentile(values, 50)), float(np.percentile(values, 99))
+
+
+def report(tally: Tally, warm: dict, end: dict, started: float, total: float, quiet_end: float, kills: list[float],
+           counted: dict, clients_ok: int, events: list, drain_s: float, code: int) -> dict:
+    phases = [("quiet", 0.05, quiet_end), ("replica killed", 0.2, 0.35), ("replica stopped 20 s", 0.35, 0.45),
+              ("hostile floods", 0.45, 0.55), ("slow readers + cancels", 0.55, 0.7), ("second kill", 0.7, 0.97)]
+    rows = {}
+    for name, lo, hi in phases:
+        steady = [lat for t, _, lat in tally.latencies if lo * total <= t - started < hi * total
+                  and not any(0 <= t - k < KILL_WINDOW_S for k in kills)]
+        rows[name] = _percentiles(steady)
+    totals = defaultdict(int)
+    lines = ["", f"{'kind':32s} {'sent':>7s} {'correct':>8s} {'refused ok':>10s} {'lost':>5s} {'wrong':>5s}"]
+    for kind in sorted(tally.counts):
+        c = tally.counts[kind]
+        for key in ("sent", "answered correctly", "refused as expected", "lost", "wrong"):
+            totals[key] += c[key]
+        lines.append(f"{kind:32s} {c['sent']:7d} {c['answered correctly']:8d} {c['refused as expected']:10d} "
+                     f"{c['lost']:5d} {c['wrong']:5d}")
+    lines.append(f"{'total':32s} {totals['sent']:7d} {totals['answered correctly']:8d} "
+                 f"{totals['refused as expected']:10d} {totals['lost']:5d} {totals['wrong']:5d}")
+    lines.append("")
+    lines.append(f"{'process':20s} {'RSS MB warm':>11s} {'RSS MB end':>10s} {'growth':>7s} {'fds':>9s} {'threads':>9s}")
+    growth = {}
+    for role in warm:
+        if role not in end:
+            continue
+        (r0, f0, t0), (r1, f1, t1) = warm[role], end[role]
+        growth[role] = (r1 - r0) / r0 if r0 else 0.0
+        lines.append(f"{role:20s} {r0:11.1f} {r1:10.1f} {growth[role]:+7.1%} {f0:4d}→{f1:<4d} {t0:4d}→{t1:<4d}")
+    lines.append("")
+    quiet_p99 = rows["quiet"][1]
+    lines.append(f"{'phase (outside 15 s after a kill)':36s} {'p50 ms':>8s} {'p99 ms':>8s} {'p99/quiet':>9s}")
+    for name, (p50, p99) in rows.items():
+        lines.append(f"{name:36s} {p50 * 1000:8.1f} {p99 * 1000:8.1f} {p99 / quiet_p99:9.2f}")
+    lines.append("")
+    lines.append(f"Prometheus proctor:requests_total by outcome: {dict(sorted(counted.items()))}")
+    lines.append(f"clients' answered correctly at that moment: {clients_ok} (server ok: {counted.get('ok', 0):.0f})")
+    lines.append(f"drain: exit code {code} after {drain_s:.1f} s")
+    if tally.failures:
+        lines.append("first failures: " + "; ".join(tally.failures[:8]))
+    text = "\n".join(lines)
+    print(text, flush=True)
+    return {"totals": dict(totals), "growth": growth, "warm": warm, "end": end, "phases": rows, "counted": counted,
+            "clients_ok": clients_ok, "drain_exit": code, "failures": tally.failures, "table": text,
+            "events": events}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--minutes", type=float, default=60.0)
+    parser.add_argument("--engine", choices=["torch", "vllm"], default="torch")
+    parser.add_argument("--clients", type=int, default=3)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    result = run(args.minutes, args.engine, args.clients, log=lambda line: print(line, flush=True))
+    if args.json is not None:
+        args.json.write_text(json.dumps({k: v for k, v in result.items() if k != "table"}, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
