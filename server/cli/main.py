@@ -138,11 +138,14 @@ def serve(
 def _plan_or_exit(config: Path) -> ServingPlan:
     """The config file's plan; on a problem, the problems as `check-config` lists them (on
     stderr, no traceback) and exit 1. The model directories must exist here, not only in the
-    check: the image's default command fails this way when nothing is mounted at the path."""
+    check: the image's default command fails this way when nothing is mounted at the path.
+    Teachers from Megatron checkpoints are converted (or found in the cache) here, before any
+    replica starts, so a checkpoint that cannot be served fails the start in one line."""
     from proctor.server.config import ConfigError, load_plan, print_problems
+    from proctor.server.config.builder import convert_checkpoints
 
     try:
-        return load_plan(config)
+        return convert_checkpoints(load_plan(config))
     except ConfigError as exc:
         print_problems(config, exc, out=sys.stderr)
         raise typer.Exit(1) from None

@@ -11,6 +11,7 @@ from functools import partial
 from pathlib import Path
 
 from proctor.server.config.plan import ServingPlan, load_plan
+from proctor.server.config.schema import ConfigError
 from proctor.server.engines.base import EngineSpec
 from proctor.server.engines.prompt_reuse import ReuseSettings
 from proctor.server.front.fleet.drift import DriftSettings
@@ -132,9 +133,31 @@ def server_options(plan: ServingPlan, *, host: str | None = None) -> ServerOptio
     )
 
 
+def convert_checkpoints(plan: ServingPlan) -> ServingPlan:
+    """Each `dist_ckpt_path` converted (or found in the cache) and served: the teacher's spec then
+    names the converted folder, so every engine, its unembedding and its fingerprint read the
+    checkpoint's weights. Every refusal is collected, one line each naming the teacher's field."""
+    from proctor.server.engines.base import EngineConfigError
+    from proctor.server.engines.megatron.convert import materialize
+
+    problems = []
+    for name, teacher in plan.teachers.items():
+        if not teacher.dist_ckpt_path:
+            continue
+        try:
+            folder = materialize(teacher.dist_ckpt_path, teacher.spec.model_path, plan.config.server.checkpoint_cache_dir)
+        except EngineConfigError as exc:
+            problems.append(f"distillation.teacher_models.{name}.{exc}")
+            continue
+        plan.teachers[name] = replace(teacher, spec=replace(teacher.spec, model_path=str(folder)))
+    if problems:
+        raise ConfigError(problems)
+    return plan
+
+
 def load_server_config(path: str | Path, *, host: str | None = None) -> tuple[Router, ServerOptions]:
     """What `proctor serve --config` runs: the Router (engines not yet started) and ServerOptions."""
-    plan = load_plan(path)
+    plan = convert_checkpoints(load_plan(path))
     return build_router(plan), server_options(plan, host=host)
 
 

@@ -42,6 +42,9 @@ class ResolvedTeacher:
     key: str
     spec: EngineSpec
     per_replica: int
+    # The Megatron checkpoint whose weights it serves (`serve` swaps spec.model_path for the
+    # converted folder: `builder.convert_checkpoints`).
+    dist_ckpt_path: str | None = None
 
 
 @dataclass
@@ -78,9 +81,21 @@ class ServingPlan:
                 f"{t.per_replica} device(s) per replica, max top-k {t.spec.max_topk}"
                 + (", batch-invariant (prompt reuse off)" if t.spec.inference.get("batch_invariant") else "")
             )
+            if t.dist_ckpt_path:
+                lines.append(f"teacher {t.name}: {_checkpoint_line(t, self.config.server)}")
         lines.append(self.placement.summary())
         lines.extend(f"note: {n}" for n in self.notes)
         return "\n".join(lines)
+
+
+def _checkpoint_line(teacher: ResolvedTeacher, server: ServerBlock) -> str:
+    """What `serve` will load for a `dist_ckpt_path`: its step, its size, the cache; or why not."""
+    from proctor.server.engines.megatron.convert import plan_checkpoint
+
+    try:
+        return plan_checkpoint(teacher.dist_ckpt_path, teacher.spec.model_path, server.checkpoint_cache_dir).describe()
+    except EngineConfigError as exc:
+        return f"`proctor serve` would refuse {exc}"
 
 
 def detect_device() -> str:
@@ -221,6 +236,7 @@ def _teachers(config: ProctorConfig, device_kind: str, problems: list[str], note
                 startup_timeout_s=teacher.inference.startup_timeout_s,
             ),
             per_replica=teacher.inference.per_replica,
+            dist_ckpt_path=teacher.dist_ckpt_path,
         )
     return resolved
 
@@ -250,6 +266,13 @@ def resolve_plan(config: ProctorConfig, *, files_must_exist: bool = True) -> Ser
         if t.spec.model_path:
             try:
                 check_model_path(t.spec.model_path)
+            except EngineConfigError as exc:
+                missing.append(f"distillation.teacher_models.{t.name}.{exc}")
+        if t.dist_ckpt_path:
+            from proctor.server.engines.megatron.convert import check_dist_ckpt_path
+
+            try:
+                check_dist_ckpt_path(t.dist_ckpt_path)
             except EngineConfigError as exc:
                 missing.append(f"distillation.teacher_models.{t.name}.{exc}")
     missing.extend(_missing_files(server))
