@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+
 from support.configs import cpu_config, torch_teacher, write_config
 from support.reference import assert_matches_reference, reference_rows
 from support.servers import free_port

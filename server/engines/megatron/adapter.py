@@ -37,6 +37,10 @@ NOT_MODEL_PREFIXES = ("optimizer.", "rng_state", "rerun_state_machine")
 _STACKED = re.compile(r"^(?P<block>(?:.*\.)?decoder\.layers)\.(?P<rest>.+)$")
 
 
+class CheckpointReadError(RuntimeError):
+    """megatron-core (torch's reader beneath it) could not read a tensor's shards."""
+
+
 def check_versions() -> dict[str, str | None]:
     """Refuse releases the table does not claim (one line naming installed and supported)."""
     try:
@@ -115,9 +119,16 @@ def load_tensor(ckpt: Path, key: str, shape: tuple[int, ...], dtype: torch.dtype
     loader asks for the rank."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import ShardedTensor
+    from torch.distributed.checkpoint.api import CheckpointException
 
     sharded = {key: ShardedTensor.from_rank_offsets(key, torch.empty(shape, dtype=dtype), replica_id=0)}
-    return dist_checkpointing.load(sharded, str(ckpt), validate_access_integrity=False)[key]
+    try:
+        return dist_checkpointing.load(sharded, str(ckpt), validate_access_integrity=False)[key]
+    except CheckpointException as exc:  # a BaseException: torch's reader failed on a shard file
+        errors = [e[0] if isinstance(e, tuple) else e for e in getattr(exc, "failures", {}).values()]
+        causes = [f"{type(e).__name__} {e}".strip() + (" (a shard file ends early)" if isinstance(e, EOFError) else "")
+                  for e in errors]
+        raise CheckpointReadError("; ".join(causes) or str(exc)) from None
 
 
 def hf_tensors(bridge: Any, key: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:

@@ -137,7 +137,9 @@ def materialize(path: str | Path, model_path: str | Path, cache_dir: str | Path 
             capture_output=True, text=True, check=False)
         if child.returncode != 0:
             lines = [ln for ln in child.stderr.splitlines() if ln.startswith("proctor-convert: ")]
-            why = lines[-1].removeprefix("proctor-convert: ") if lines else _line(child.stderr.strip().splitlines()[-1:])
+            last = child.stderr.strip().splitlines()[-1:] or ["no output"]
+            why = (lines[-1].removeprefix("proctor-convert: ") if lines
+                   else f"could not be converted (the converter exited {child.returncode}: {_line(last[0])})")
             raise EngineConfigError(f"dist_ckpt_path: {path} {why}")
         shutil.rmtree(plan.folder, ignore_errors=True)  # an interrupted earlier conversion
         os.replace(work, plan.folder)
