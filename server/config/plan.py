@@ -4,11 +4,11 @@ whether it serves hidden states, and its limits; and the checks that need the wh
 
 from __future__ import annotations
 
-import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from proctor.server.config.checkpoints import checkpoint_line, missing_checkpoint
 from proctor.server.config.reading import parse_config, read_yaml
 from proctor.server.config.schema import (
     DEFAULT_TEACHER,
@@ -24,11 +24,6 @@ from proctor.server.engines.checks import check_model_path
 from proctor.server.engines.fingerprint import model_architecture
 from proctor.server.worker.pool import PlacementError, PlacementPlan, TeacherDemand, plan_placement
 
-if typing.TYPE_CHECKING:
-    pass
-
-
-
 # ------------------------------------------------------------------------------------------
 # Resolving: teachers, engines, placement
 # ------------------------------------------------------------------------------------------
@@ -42,8 +37,7 @@ class ResolvedTeacher:
     key: str
     spec: EngineSpec
     per_replica: int
-    # The Megatron checkpoint whose weights it serves (`serve` swaps spec.model_path for the
-    # converted folder: `builder.convert_checkpoints`).
+    # The Megatron checkpoint it serves (`builder.convert_checkpoints` swaps in its folder).
     dist_ckpt_path: str | None = None
 
 
@@ -82,20 +76,11 @@ class ServingPlan:
                 + (", batch-invariant (prompt reuse off)" if t.spec.inference.get("batch_invariant") else "")
             )
             if t.dist_ckpt_path:
-                lines.append(f"teacher {t.name}: {_checkpoint_line(t, self.config.server)}")
+                line = checkpoint_line(t.dist_ckpt_path, t.spec.model_path, server.checkpoint_cache_dir)
+                lines.append(f"teacher {t.name}: {line}")
         lines.append(self.placement.summary())
         lines.extend(f"note: {n}" for n in self.notes)
         return "\n".join(lines)
-
-
-def _checkpoint_line(teacher: ResolvedTeacher, server: ServerBlock) -> str:
-    """What `serve` will load for a `dist_ckpt_path`: its step, its size, the cache; or why not."""
-    from proctor.server.engines.megatron.convert import plan_checkpoint
-
-    try:
-        return plan_checkpoint(teacher.dist_ckpt_path, teacher.spec.model_path, server.checkpoint_cache_dir).describe()
-    except EngineConfigError as exc:
-        return f"`proctor serve` would refuse {exc}"
 
 
 def detect_device() -> str:
@@ -268,13 +253,7 @@ def resolve_plan(config: ProctorConfig, *, files_must_exist: bool = True) -> Ser
                 check_model_path(t.spec.model_path)
             except EngineConfigError as exc:
                 missing.append(f"distillation.teacher_models.{t.name}.{exc}")
-        if t.dist_ckpt_path:
-            from proctor.server.engines.megatron.convert import check_dist_ckpt_path
-
-            try:
-                check_dist_ckpt_path(t.dist_ckpt_path)
-            except EngineConfigError as exc:
-                missing.append(f"distillation.teacher_models.{t.name}.{exc}")
+        missing.extend(missing_checkpoint(t.name, t.dist_ckpt_path))
     missing.extend(_missing_files(server))
     if files_must_exist:
         problems.extend(missing)
