@@ -18,8 +18,10 @@ from proctor.server.front.fleet.drift import DriftSettings
 from proctor.server.worker.pool import ReplicaGroupPlan
 
 if typing.TYPE_CHECKING:
+    from proctor.server.front.fleet.replicas import EngineFactory
     from proctor.server.front.fleet.routing import Router
     from proctor.server.front.settings import ServerOptions
+    from proctor.server.worker.ray_actor import RayPool
 
 
 
@@ -39,6 +41,19 @@ def _replica_spec(spec: EngineSpec, group: ReplicaGroupPlan, kind: str, *, in_pr
 def _drift(spec: EngineSpec, *, swapped: bool) -> DriftSettings | None:
     """A teacher's drift check; none for a teacher sharing devices (each check would swap its weights in)."""
     return None if swapped else DriftSettings.from_inference(spec.inference)
+
+
+def _in_process_factory(spec: EngineSpec, name: str, folder: str) -> EngineFactory:
+    """An in-process replica's engine factory on another model folder (`checkpoint_move`)."""
+    from proctor.server.front.fleet.replicas import engine_factory
+    from proctor.server.worker.replica_engine import create_replica_engine
+
+    return engine_factory(partial(create_replica_engine, replace(spec, model_path=folder), name=name))
+
+
+def _ray_factory(pool: RayPool, spec: EngineSpec, group: ReplicaGroupPlan, folder: str) -> EngineFactory:
+    """A Ray replica's engine factory on another model folder (`checkpoint_move`)."""
+    return pool.factory(replace(spec, model_path=folder), group)
 
 
 def build_router(plan: ServingPlan) -> Router:
@@ -76,11 +91,13 @@ def build_router(plan: ServingPlan) -> Router:
                     replicas.append(engine_replica(replica_id, build, **where))
                 elif ray_pool is not None:
                     spec = _replica_spec(resolved.spec, group, plan.device_kind, in_process=False)
-                    replicas.append(Replica(group.group_id, ray_pool.factory(spec, group), **where))
+                    replicas.append(Replica(group.group_id, ray_pool.factory(spec, group),
+                                            refactory=partial(_ray_factory, ray_pool, spec, group), **where))
                 else:
                     spec = _replica_spec(resolved.spec, group, plan.device_kind, in_process=True)
                     build = partial(create_replica_engine, spec, name=group.group_id)
-                    replicas.append(engine_replica(group.group_id, build, **where))
+                    replicas.append(engine_replica(group.group_id, build, **where,
+                                                   refactory=partial(_in_process_factory, spec, group.group_id)))
             teachers.append(
                 ReplicaSet(
                     name,
@@ -130,6 +147,7 @@ def server_options(plan: ServingPlan, *, host: str | None = None) -> ServerOptio
         http_header_timeout_s=s.http_header_timeout_s,
         http_max_connections=s.http_max_connections,
         student_tokenizers=dict(s.student_tokenizers),
+        checkpoint_cache_dir=s.checkpoint_cache_dir,
     )
 
 
