@@ -72,13 +72,30 @@ class Layout:
         return " ".join(known) or "parallel sizes not recorded"
 
 
+def check_shard_files(ckpt: Path) -> None:
+    """Every shard file is as long as torch_dist's metadata says its tensors reach (a copy cut
+    short is found here, before any tensor is read); CheckpointReadError naming the file if not."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    ends: dict[str, int] = {}
+    for info in (FileSystemReader(str(ckpt)).read_metadata().storage_data or {}).values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        size = (ckpt / name).stat().st_size if (ckpt / name).is_file() else None
+        if size is None or size < end:
+            held = "is missing" if size is None else f"has {size} bytes"
+            raise CheckpointReadError(f"shard file {name} {held}, its metadata needs {end} (a shard file ends early)")
+
+
 def read_layout(ckpt: Path) -> Layout:
-    """The checkpoint's metadata, read by megatron-core (no tensor data is read)."""
+    """The checkpoint's metadata, read by megatron-core (no tensor data is read), its shard files
+    checked against it."""
     check_versions()
     from megatron.core import dist_checkpointing
 
     metadata = dist_checkpointing.load_tensors_metadata(str(ckpt))
     common = dist_checkpointing.load_common_state_dict(str(ckpt)) or {}
+    check_shard_files(ckpt)
     model = {k: v for k, v in metadata.items() if not k.startswith(NOT_MODEL_PREFIXES) and "_extra_state" not in k}
     return Layout(
         shapes={k: tuple(v.global_shape) for k, v in model.items()},
@@ -136,11 +153,3 @@ def hf_tensors(bridge: Any, key: str, tensor: torch.Tensor) -> Iterator[tuple[st
     for name, part in _unstacked(key, tensor):
         names, parts = bridge._weight_to_hf_format(name, part)
         yield from zip(names, parts, strict=True)
-
-
-def hf_names(bridge: Any, key: str, shape: tuple[int, ...]) -> list[str]:
-    """The Hugging Face names a Megatron tensor maps to (no data read); raises on an unknown name."""
-    names: list[str] = []
-    for name, _ in _unstacked(key, torch.empty(shape, device="meta")):
-        names.extend(bridge._weight_name_mapping_mcore_to_hf(name))
-    return names

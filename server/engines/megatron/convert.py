@@ -27,6 +27,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -123,11 +124,19 @@ def plan_checkpoint(path: str | Path, model_path: str | Path, cache_dir: str | P
 
 
 def materialize(path: str | Path, model_path: str | Path, cache_dir: str | Path | None = None) -> Path:
-    """The cached folder for the checkpoint, converting it first (in a child process) when absent."""
+    """The cached folder for the checkpoint, converting it first (in a child process) when absent:
+    its names and shapes are checked against `model_path`'s architecture here first (metadata
+    only), so a checkpoint of another architecture costs no child process."""
+    from proctor.server.engines.megatron import adapter
+
     plan = plan_checkpoint(path, model_path, cache_dir)
     if plan.cached:
         log.info("dist_ckpt_path %s: reusing %s", path, plan.folder)
         return plan.folder
+    try:
+        check_architecture(adapter.read_layout(Path(path)), Path(model_path))
+    except EngineConfigError as exc:
+        raise EngineConfigError(f"dist_ckpt_path: {path} {exc}") from None
     plan.folder.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{plan.folder.name}-", dir=plan.folder.parent))
     work.chmod(0o755)
@@ -171,6 +180,39 @@ def _expected_weights(model_path: Path) -> dict[str, tuple[int, ...]]:
     return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 
+def check_architecture(layout: Any, model_path: Path) -> tuple[Any, dict[str, tuple[int, ...]]]:
+    """The bridge and the architecture's weights, once the checkpoint's tensors (by name and shape,
+    mapped on the meta device: no data) are exactly those weights; else EngineConfigError."""
+    from proctor.server.engines.megatron import adapter
+
+    bridge = adapter.bridge_for(str(model_path))
+    expected = _expected_weights(model_path)
+    got: dict[str, tuple[int, ...]] = {}
+    for key, shape in layout.shapes.items():
+        try:
+            got.update((n, tuple(t.shape)) for n, t in
+                       adapter.hf_tensors(bridge, key, torch.empty(shape, dtype=layout.dtypes[key], device="meta")))
+        except (NotImplementedError, KeyError, ValueError, IndexError, RuntimeError):
+            raise EngineConfigError(
+                f"does not match model_path's architecture ({bridge.hf_config.model_type}): it holds {key} "
+                f"{list(shape)}, which that architecture has no weight for") from None
+    _check_weights(got, expected, bridge.hf_config.model_type)
+    return bridge, expected
+
+
+def _check_weights(got: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]], model_type: str) -> None:
+    """EngineConfigError unless `got` is exactly the architecture's weights, by name and shape."""
+    if got == expected:
+        return
+    wrong = sorted(n for n in expected.keys() & got.keys() if got[n] != expected[n])
+    missing, extra = sorted(expected.keys() - got.keys()), sorted(got.keys() - expected.keys())
+    what = "; ".join(filter(None, [
+        f"{wrong[0]} is {list(got[wrong[0]])}, the architecture's is {list(expected[wrong[0]])}" if wrong else "",
+        f"{len(missing)} weight(s) missing (e.g. {missing[0]})" if missing else "",
+        f"{len(extra)} weight(s) the architecture lacks (e.g. {extra[0]})" if extra else ""]))
+    raise EngineConfigError(f"does not match model_path's architecture ({model_type}): {what}")
+
+
 def convert(path: Path, model_path: Path, out: Path) -> dict:
     """Write `out`: the checkpoint's weights as safetensors, with model_path's config and tokenizer."""
     import torch.distributed as dist
@@ -180,15 +222,7 @@ def convert(path: Path, model_path: Path, out: Path) -> dict:
 
     started = time.perf_counter()
     layout = adapter.read_layout(path)
-    bridge = adapter.bridge_for(str(model_path))
-    expected = _expected_weights(model_path)
-    for key, shape in layout.shapes.items():
-        try:
-            adapter.hf_names(bridge, key, shape)
-        except (NotImplementedError, KeyError, ValueError, IndexError):
-            raise EngineConfigError(
-                f"does not match model_path's architecture ({bridge.hf_config.model_type}): it holds {key} "
-                f"{list(shape)}, which that architecture has no weight for") from None
+    bridge, expected = check_architecture(layout, model_path)
     dist.init_process_group("gloo", init_method=f"file://{out}/.store", rank=0, world_size=1)
     weights: dict[str, torch.Tensor] = {}
     try:
@@ -205,15 +239,7 @@ def convert(path: Path, model_path: Path, out: Path) -> dict:
     finally:
         dist.destroy_process_group()
         (out / ".store").unlink(missing_ok=True)
-    got = {n: tuple(t.shape) for n, t in weights.items()}
-    if got != expected:
-        wrong = sorted(n for n in expected.keys() & got.keys() if got[n] != expected[n])
-        missing, extra = sorted(expected.keys() - got.keys()), sorted(got.keys() - expected.keys())
-        what = "; ".join(filter(None, [
-            f"{wrong[0]} is {list(got[wrong[0]])}, the architecture's is {list(expected[wrong[0]])}" if wrong else "",
-            f"{len(missing)} weight(s) missing (e.g. {missing[0]})" if missing else "",
-            f"{len(extra)} weight(s) the architecture lacks (e.g. {extra[0]})" if extra else ""]))
-        raise EngineConfigError(f"does not match model_path's architecture ({bridge.hf_config.model_type}): {what}")
+    _check_weights({n: tuple(t.shape) for n, t in weights.items()}, expected, bridge.hf_config.model_type)
     _write_shards(weights, out, save_file)
     for file in Path(model_path).iterdir():
         if file.is_file() and file.suffix not in _WEIGHT_SUFFIXES and not file.name.endswith(".index.json"):
