@@ -18,7 +18,7 @@ from proctor.server.front.fleet.drift import DriftSettings
 from proctor.server.worker.pool import ReplicaGroupPlan
 
 if typing.TYPE_CHECKING:
-    from proctor.server.front.fleet.replicas import EngineFactory
+    from proctor.server.front.fleet.replicas import EngineFactory, Replica
     from proctor.server.front.fleet.routing import Router
     from proctor.server.front.settings import ServerOptions
     from proctor.server.worker.ray_actor import RayPool
@@ -51,6 +51,14 @@ def _in_process_factory(spec: EngineSpec, name: str, folder: str) -> EngineFacto
     return engine_factory(partial(create_replica_engine, replace(spec, model_path=folder), name=name))
 
 
+def _in_process_replica(spec: EngineSpec, name: str, where: dict) -> Replica:
+    """A replica whose engine runs in a replica worker of its own, movable to another model folder."""
+    from proctor.server.front.fleet.replicas import Replica
+
+    return Replica(name, _in_process_factory(spec, name, spec.model_path),
+                   refactory=partial(_in_process_factory, spec, name), **where)
+
+
 def _ray_factory(pool: RayPool, spec: EngineSpec, group: ReplicaGroupPlan, folder: str) -> EngineFactory:
     """A Ray replica's engine factory on another model folder (`checkpoint_move`)."""
     return pool.factory(replace(spec, model_path=folder), group)
@@ -60,7 +68,6 @@ def build_router(plan: ServingPlan) -> Router:
     """Teachers with their replicas (in-process engines, swap groups or Ray actors) behind a Router."""
     from proctor.server.engines.swap import SwapGroup, SwappedTeacherEngine
     from proctor.server.front.fleet.routing import Replica, ReplicaSet, RestartPolicy, Router, engine_replica
-    from proctor.server.worker.replica_engine import create_replica_engine
 
     server = plan.config.server
     ray_pool = None
@@ -95,9 +102,7 @@ def build_router(plan: ServingPlan) -> Router:
                                             refactory=partial(_ray_factory, ray_pool, spec, group), **where))
                 else:
                     spec = _replica_spec(resolved.spec, group, plan.device_kind, in_process=True)
-                    build = partial(create_replica_engine, spec, name=group.group_id)
-                    replicas.append(engine_replica(group.group_id, build, **where,
-                                                   refactory=partial(_in_process_factory, spec, group.group_id)))
+                    replicas.append(_in_process_replica(spec, group.group_id, where))
             teachers.append(
                 ReplicaSet(
                     name,

@@ -73,6 +73,12 @@ def main(hf_dir: str, ckpt_dir: str, step: int) -> None:
     model = bridge._model_provider([])(pre_process=True, post_process=True)
     bridge.load_weights([model], hf_dir)
     os.makedirs(ckpt_dir, exist_ok=True)
+    # The saver collects its forked writers' results on a queue that it would otherwise serve from
+    # a spawned manager process (a fresh interpreter re-importing torch and this file): a fork
+    # queue does the same here for none of that start-up.
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    filesystem_async._results_queue = torch.multiprocessing.get_context("fork").Queue()
     state = {"model": model.sharded_state_dict(), "iteration": step, "checkpoint_version": 3.0}
     dist_checkpointing.save(state, ckpt_dir)
     dist.destroy_process_group()
