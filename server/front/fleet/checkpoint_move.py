@@ -48,6 +48,7 @@ _DRAIN_POLL_S = 0.01
 # contract requests are validated against, so a step that changes it is refused.
 _PER_STEP = ("model", "fingerprint", "projection_energy")
 _moving: weakref.WeakSet[ReplicaSet] = weakref.WeakSet()
+_tasks: set[asyncio.Task] = set()  # the moves under way (held here: the loop keeps weak references)
 
 
 class StepNotLoaded(RuntimeError):
@@ -103,11 +104,14 @@ async def move_teacher(teacher_set: ReplicaSet, *, dist_ckpt_path: str | None = 
     if teacher_set in _moving:
         raise ScoringError(Code.UNAVAILABLE, f"teacher {teacher_set.name!r} is already moving to another step",
                            retry_after=5.0)
+    # The move runs as a task of its own, shielded: a caller that goes away (an HTTP client's
+    # timeout) must not leave a replica half-moved, out of rotation with no engine.
+    task = asyncio.get_running_loop().create_task(_move(teacher_set, dist_ckpt_path, model_path, cache_dir),
+                                                  name=f"proctor-move-{teacher_set.name}")
     _moving.add(teacher_set)
-    try:
-        return await _move(teacher_set, dist_ckpt_path, model_path, cache_dir)
-    finally:
-        _moving.discard(teacher_set)
+    _tasks.add(task)
+    task.add_done_callback(lambda done: (_moving.discard(teacher_set), _tasks.discard(done)))
+    return await asyncio.shield(task)
 
 
 async def _move(teacher_set: ReplicaSet, dist_ckpt_path: str | None, model_path: str | None,
