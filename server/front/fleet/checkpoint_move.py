@@ -139,7 +139,7 @@ async def _move(teacher_set: ReplicaSet, dist_ckpt_path: str | None, model_path:
             try:
                 worst = max(worst, await _move_replica(teacher_set, replica, replica.refactory(folder), fingerprint,
                                                        old_info, settings, reference))
-            except StepNotLoaded as exc:
+            except Exception as exc:  # StepNotLoaded, or anything else that broke the move of this replica
                 await _return(teacher_set, replica, old_factory)
                 for earlier, factory in reversed(moved):
                     await _move_back(teacher_set, earlier, factory)
