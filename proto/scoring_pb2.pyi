@@ -132,7 +132,7 @@ class AlignedScores(_message.Message):
     def __init__(self, chunk_ids: _Optional[_Union[Tensor, _Mapping]] = ..., chunk_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., topk_ids: _Optional[_Union[Tensor, _Mapping]] = ..., topk_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., unmapped_mass: _Optional[_Union[Tensor, _Mapping]] = ..., chunks: _Optional[_Union[Tensor, _Mapping]] = ..., teacher_ids: _Optional[_Union[Tensor, _Mapping]] = ..., teacher: _Optional[_Union[ScoreResponse, _Mapping]] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
-    __slots__ = ("request_id", "teacher", "model", "num_tokens", "first_row", "logprobs", "topk_ids", "topk_logprobs", "hidden_states", "score_logprobs", "aligned")
+    __slots__ = ("request_id", "teacher", "model", "num_tokens", "first_row", "logprobs", "topk_ids", "topk_logprobs", "hidden_states", "score_logprobs", "aligned", "fingerprint")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEACHER_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +144,7 @@ class ScoreResponse(_message.Message):
     HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     SCORE_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ALIGNED_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     teacher: str
     model: str
@@ -155,7 +156,8 @@ class ScoreResponse(_message.Message):
     hidden_states: Tensor
     score_logprobs: Tensor
     aligned: AlignedScores
-    def __init__(self, request_id: _Optional[str] = ..., teacher: _Optional[str] = ..., model: _Optional[str] = ..., num_tokens: _Optional[int] = ..., first_row: _Optional[int] = ..., logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., topk_ids: _Optional[_Union[Tensor, _Mapping]] = ..., topk_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., score_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., aligned: _Optional[_Union[AlignedScores, _Mapping]] = ...) -> None: ...
+    fingerprint: str
+    def __init__(self, request_id: _Optional[str] = ..., teacher: _Optional[str] = ..., model: _Optional[str] = ..., num_tokens: _Optional[int] = ..., first_row: _Optional[int] = ..., logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., topk_ids: _Optional[_Union[Tensor, _Mapping]] = ..., topk_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., score_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., aligned: _Optional[_Union[AlignedScores, _Mapping]] = ..., fingerprint: _Optional[str] = ...) -> None: ...
 
 class ScoreChunk(_message.Message):
     __slots__ = ("response", "last")
@@ -170,20 +172,22 @@ class TeachersRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaInfo(_message.Message):
-    __slots__ = ("replica_id", "state", "devices", "node", "drift", "drift_checks")
+    __slots__ = ("replica_id", "state", "devices", "node", "drift", "drift_checks", "fingerprint")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     DRIFT_FIELD_NUMBER: _ClassVar[int]
     DRIFT_CHECKS_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     state: ReplicaState
     devices: _containers.RepeatedScalarFieldContainer[str]
     node: str
     drift: float
     drift_checks: int
-    def __init__(self, replica_id: _Optional[str] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., devices: _Optional[_Iterable[str]] = ..., node: _Optional[str] = ..., drift: _Optional[float] = ..., drift_checks: _Optional[int] = ...) -> None: ...
+    fingerprint: str
+    def __init__(self, replica_id: _Optional[str] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., devices: _Optional[_Iterable[str]] = ..., node: _Optional[str] = ..., drift: _Optional[float] = ..., drift_checks: _Optional[int] = ..., fingerprint: _Optional[str] = ...) -> None: ...
 
 class TeacherInfo(_message.Message):
     __slots__ = ("name", "model", "fingerprint", "vocab_size", "hidden_size", "max_model_len", "max_topk", "outputs", "replicas", "engine", "dtype", "keys", "media", "score_ids_method", "aligned_vocabularies", "chat_template", "tokenizer_fingerprint", "batch_invariant", "max_drift", "hidden_forms", "projection_rank", "projection_energy")

@@ -54,6 +54,8 @@ COMPONENTS: dict[str, Component] = {
     "vllm-omni": Component("vLLM-Omni", ("vllm-omni",)),
     "verl": Component("verl", ("verl",)),
     "trl": Component("TRL", ("trl",)),
+    "megatron-core": Component("megatron-core", ("megatron-core",)),
+    "mbridge": Component("mbridge", ("mbridge",)),
 }
 
 # What each engine of `inference.name` needs at start. A vLLM-Omni teacher runs in vLLM-Omni's

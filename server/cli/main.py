@@ -146,11 +146,14 @@ def serve(
 def _plan_or_exit(config: Path) -> ServingPlan:
     """The config file's plan; on a problem, the problems as `check-config` lists them (on
     stderr, no traceback) and exit 1. The model directories must exist here, not only in the
-    check: the image's default command fails this way when nothing is mounted at the path."""
+    check: the image's default command fails this way when nothing is mounted at the path.
+    Teachers from Megatron checkpoints are converted (or found in the cache) here, before any
+    replica starts, so a checkpoint that cannot be served fails the start in one line."""
     from proctor.server.config import ConfigError, load_plan, print_problems
+    from proctor.server.config.builder import convert_checkpoints
 
     try:
-        return load_plan(config)
+        return convert_checkpoints(load_plan(config))
     except ConfigError as exc:
         print_problems(config, exc, out=sys.stderr)
         raise typer.Exit(1) from None
@@ -299,16 +302,13 @@ def make_tiny_model_cmd(
 ) -> None:
     """Build a tiny teacher (random weights from a seed, a locally built tokenizer; for the
     multimodal kinds also its image/video processors and audio feature extractor)."""
-    if kind == "text":
-        from proctor.server.cli.tiny_model import make_tiny_model
+    from proctor.server.cli.tiny_multimodal import make_tiny_of_kind
 
-        path = make_tiny_model(out_dir, vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers, seed=seed)
-    else:
-        from proctor.server.cli.tiny_multimodal import KINDS, make_tiny_multimodal
-
-        if kind not in KINDS:
-            raise typer.BadParameter(f"--kind must be one of text, {', '.join(KINDS)}; got {kind!r}")
-        path = make_tiny_multimodal(kind, out_dir, seed=seed, vocab_size=vocab_size)
+    try:
+        path = make_tiny_of_kind(kind, out_dir, vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers,
+                                 seed=seed)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
     typer.echo(f"tiny {kind} teacher written to {path}")
 
 

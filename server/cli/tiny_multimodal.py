@@ -164,3 +164,16 @@ def ensure_tiny_multimodal(kind: str, out_dir: str | Path | None = None) -> Path
     if not (out / "config.json").exists() or not (out / "model.safetensors").exists():
         make_tiny_multimodal(kind, out)
     return out
+
+
+def make_tiny_of_kind(kind: str, out_dir: str | Path, *, vocab_size: int = 512, hidden_size: int = 64,
+                      num_layers: int = 2, seed: int = 0) -> Path:
+    """`proctor make-tiny-model --kind`: the text teacher (`tiny_model`, its size as given) or one of
+    `KINDS`; ValueError naming the kinds for any other."""
+    if kind == "text":
+        from proctor.server.cli.tiny_model import make_tiny_model
+
+        return make_tiny_model(out_dir, vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers, seed=seed)
+    if kind not in KINDS:
+        raise ValueError(f"--kind must be one of text, {', '.join(KINDS)}; got {kind!r}")
+    return make_tiny_multimodal(kind, out_dir, seed=seed, vocab_size=vocab_size)

@@ -11,14 +11,17 @@ from functools import partial
 from pathlib import Path
 
 from proctor.server.config.plan import ServingPlan, load_plan
+from proctor.server.config.schema import ConfigError
 from proctor.server.engines.base import EngineSpec
 from proctor.server.engines.prompt_reuse import ReuseSettings
 from proctor.server.front.fleet.drift import DriftSettings
 from proctor.server.worker.pool import ReplicaGroupPlan
 
 if typing.TYPE_CHECKING:
+    from proctor.server.front.fleet.replicas import EngineFactory, Replica
     from proctor.server.front.fleet.routing import Router
     from proctor.server.front.settings import ServerOptions
+    from proctor.server.worker.ray_actor import RayPool
 
 
 
@@ -40,11 +43,31 @@ def _drift(spec: EngineSpec, *, swapped: bool) -> DriftSettings | None:
     return None if swapped else DriftSettings.from_inference(spec.inference)
 
 
+def _in_process_factory(spec: EngineSpec, name: str, folder: str) -> EngineFactory:
+    """An in-process replica's engine factory on another model folder (`checkpoint_move`)."""
+    from proctor.server.front.fleet.replicas import engine_factory
+    from proctor.server.worker.replica_engine import create_replica_engine
+
+    return engine_factory(partial(create_replica_engine, replace(spec, model_path=folder), name=name))
+
+
+def _in_process_replica(spec: EngineSpec, name: str, where: dict) -> Replica:
+    """A replica whose engine runs in a replica worker of its own, movable to another model folder."""
+    from proctor.server.front.fleet.replicas import Replica
+
+    return Replica(name, _in_process_factory(spec, name, spec.model_path),
+                   refactory=partial(_in_process_factory, spec, name), **where)
+
+
+def _ray_factory(pool: RayPool, spec: EngineSpec, group: ReplicaGroupPlan, folder: str) -> EngineFactory:
+    """A Ray replica's engine factory on another model folder (`checkpoint_move`)."""
+    return pool.factory(replace(spec, model_path=folder), group)
+
+
 def build_router(plan: ServingPlan) -> Router:
     """Teachers with their replicas (in-process engines, swap groups or Ray actors) behind a Router."""
     from proctor.server.engines.swap import SwapGroup, SwappedTeacherEngine
     from proctor.server.front.fleet.routing import Replica, ReplicaSet, RestartPolicy, Router, engine_replica
-    from proctor.server.worker.replica_engine import create_replica_engine
 
     server = plan.config.server
     ray_pool = None
@@ -75,11 +98,11 @@ def build_router(plan: ServingPlan) -> Router:
                     replicas.append(engine_replica(replica_id, build, **where))
                 elif ray_pool is not None:
                     spec = _replica_spec(resolved.spec, group, plan.device_kind, in_process=False)
-                    replicas.append(Replica(group.group_id, ray_pool.factory(spec, group), **where))
+                    replicas.append(Replica(group.group_id, ray_pool.factory(spec, group),
+                                            refactory=partial(_ray_factory, ray_pool, spec, group), **where))
                 else:
                     spec = _replica_spec(resolved.spec, group, plan.device_kind, in_process=True)
-                    build = partial(create_replica_engine, spec, name=group.group_id)
-                    replicas.append(engine_replica(group.group_id, build, **where))
+                    replicas.append(_in_process_replica(spec, group.group_id, where))
             teachers.append(
                 ReplicaSet(
                     name,
@@ -129,12 +152,35 @@ def server_options(plan: ServingPlan, *, host: str | None = None) -> ServerOptio
         http_header_timeout_s=s.http_header_timeout_s,
         http_max_connections=s.http_max_connections,
         student_tokenizers=dict(s.student_tokenizers),
+        checkpoint_cache_dir=s.checkpoint_cache_dir,
     )
+
+
+def convert_checkpoints(plan: ServingPlan) -> ServingPlan:
+    """Each `dist_ckpt_path` converted (or found in the cache) and served: the teacher's spec then
+    names the converted folder, so every engine, its unembedding and its fingerprint read the
+    checkpoint's weights. Every refusal is collected, one line each naming the teacher's field."""
+    from proctor.server.engines.base import EngineConfigError
+    from proctor.server.engines.megatron.convert import materialize
+
+    problems = []
+    for name, teacher in plan.teachers.items():
+        if not teacher.dist_ckpt_path:
+            continue
+        try:
+            folder = materialize(teacher.dist_ckpt_path, teacher.spec.model_path, plan.config.server.checkpoint_cache_dir)
+        except EngineConfigError as exc:
+            problems.append(f"distillation.teacher_models.{name}.{exc}")
+            continue
+        plan.teachers[name] = replace(teacher, spec=replace(teacher.spec, model_path=str(folder)))
+    if problems:
+        raise ConfigError(problems)
+    return plan
 
 
 def load_server_config(path: str | Path, *, host: str | None = None) -> tuple[Router, ServerOptions]:
     """What `proctor serve --config` runs: the Router (engines not yet started) and ServerOptions."""
-    plan = load_plan(path)
+    plan = convert_checkpoints(load_plan(path))
     return build_router(plan), server_options(plan, host=host)
 
 

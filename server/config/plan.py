@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from proctor.server.config.checkpoints import checkpoint_line, missing_checkpoint, weights_source
 from proctor.server.config.reading import parse_config, read_yaml
 from proctor.server.config.schema import (
     DEFAULT_TEACHER,
@@ -19,7 +20,6 @@ from proctor.server.config.schema import (
     TeacherModelConfig,
 )
 from proctor.server.engines.base import EngineConfigError, EngineSpec
-from proctor.server.engines.checks import check_model_path
 from proctor.server.engines.fingerprint import model_architecture
 from proctor.server.worker.pool import PlacementError, PlacementPlan, TeacherDemand, plan_placement
 
@@ -36,6 +36,8 @@ class ResolvedTeacher:
     key: str
     spec: EngineSpec
     per_replica: int
+    # The Megatron checkpoint it serves (`builder.convert_checkpoints` swaps in its folder).
+    dist_ckpt_path: str | None = None
 
 
 @dataclass
@@ -72,6 +74,9 @@ class ServingPlan:
                 f"{t.per_replica} device(s) per replica, max top-k {t.spec.max_topk}"
                 + (", batch-invariant (prompt reuse off)" if t.spec.inference.get("batch_invariant") else "")
             )
+            if t.dist_ckpt_path:
+                line = checkpoint_line(t.dist_ckpt_path, t.spec.model_path, server.checkpoint_cache_dir)
+                lines.append(f"teacher {t.name}: {line}")
         lines.append(self.placement.summary())
         lines.extend(f"note: {n}" for n in self.notes)
         return "\n".join(lines)
@@ -103,7 +108,6 @@ def _engine_problems(
     messages name the `inference.*` setting, prefixed here with the teacher's path.
     """
     from proctor.server.engines import checks
-    from proctor.server.engines.base import EngineConfigError
     from proctor.server.engines.invariance import check_batch_invariant
 
     inf = teacher.inference
@@ -219,6 +223,7 @@ def _teachers(config: ProctorConfig, device_kind: str, problems: list[str], note
                 startup_timeout_s=teacher.inference.startup_timeout_s,
             ),
             per_replica=teacher.inference.per_replica,
+            dist_ckpt_path=teacher.dist_ckpt_path,
         )
     return resolved
 
@@ -245,15 +250,11 @@ def resolve_plan(config: ProctorConfig, *, files_must_exist: bool = True) -> Ser
     if server.tls.client_ca_file and not server.tls.cert_file:
         problems.append("server.tls.client_ca_file needs server.tls.cert_file and key_file (mutual TLS is TLS)")
     for t in list(teachers.values()):
+        missing.extend(missing_checkpoint(t.name, t.dist_ckpt_path))
         if t.spec.model_path:
-            try:  # serve fetches a Hugging Face id into the hub cache; check-config only looks there
-                path = check_model_path(t.spec.model_path, download=files_must_exist)
-            except EngineConfigError as exc:
-                missing.append(f"distillation.teacher_models.{t.name}.{exc}")
-                continue
-            if str(path) != t.spec.model_path and not Path(t.spec.model_path).expanduser().exists():
-                notes.append(f"teacher {t.name}: model_path {t.spec.model_path} is the hub cache's {path}")
-                teachers[t.name] = replace(t, spec=replace(t.spec, model_path=str(path)))
+            path = weights_source(t.name, t.spec.model_path, download=files_must_exist, missing=missing, notes=notes)
+            if path is not None:
+                teachers[t.name] = replace(t, spec=replace(t.spec, model_path=path))
     missing.extend(_missing_files(server))
     if files_must_exist:
         problems.extend(missing)

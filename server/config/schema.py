@@ -129,6 +129,10 @@ class TeacherModelConfig(ConfigBlock):
 
     key: str | None = None
     model_path: str | None = None
+    # One training step's Megatron distributed checkpoint (LoongSage's `dist_ckpt_path`): its
+    # weights are served, converted once at start (`engines/megatron/convert.py`); model_path
+    # gives the architecture (config.json) and tokenizer, its weights are not read.
+    dist_ckpt_path: str | None = None
     num_replicas: int | None = Field(0, ge=0)  # 0 / null: size automatically (see pool.py)
     inference: InferenceConfig = Field(default_factory=InferenceConfig)
 
@@ -199,6 +203,8 @@ class ServerBlock(ConfigBlock):
     health_check_interval_s: float | None = Field(5.0, gt=0)
     restart_initial_backoff_s: float = Field(0.5, gt=0)
     restart_max_backoff_s: float = Field(30.0, gt=0)
+    # Where dist_ckpt_path conversions are cached (None: ~/.cache/proctor/dist-ckpt).
+    checkpoint_cache_dir: str | None = None
     swap_max_consecutive_batches: int = Field(4, ge=1)
     # Student tokenizers (key -> tokenizer directory) that aligned requests may name.
     student_tokenizers: dict[str, str] = Field(default_factory=lambda: dict(DEFAULTS.student_tokenizers))

@@ -137,6 +137,9 @@ class EngineResult:
     # Set by the batcher: time spent waiting for a batch, and the batch's engine time.
     queue_seconds: float = 0.0
     engine_seconds: float = 0.0
+    # Set by the replica that scored it: the fingerprint of the weights it holds (a teacher moving
+    # between checkpoints answers from either step, each answer whole from one).
+    fingerprint: str = ""
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,7 @@ def _header(scored: ScoredRequest) -> dict:
         "model": scored.model,
         "num_tokens": scored.num_tokens,
         "first_row": scored.first_row,
+        "fingerprint": scored.result.fingerprint,
     }
 
 

@@ -275,7 +275,7 @@ class ScoringService:
             drift = teacher_set.drift
             replicas = [
                 scoring_pb2.ReplicaInfo(replica_id=r.replica_id, state=int(r.state), devices=list(r.devices), node=r.node,
-                                        **(drift.replica_fields(r.replica_id) if drift is not None else {}))
+                                        fingerprint=r.fingerprint, **(drift.replica_fields(r.replica_id) if drift is not None else {}))
                 for r in teacher_set.replicas
             ]
             try:
@@ -321,10 +321,11 @@ class ScoringService:
         if replica is None:
             raise ScoringError(Code.UNAVAILABLE, f"teacher {teacher_set.name!r} has no healthy replica",
                                retry_after=teacher_set.retry_hint())
+        fingerprint = replica.fingerprint or teacher_set.info.fingerprint  # its step's, during a move too
         weight = await replica.engine.fetch_unembedding()
         if projected:  # P from the same weights by the engines' own rule (`engines.hidden_forms`)
             weight = await asyncio.to_thread(projected_unembedding, weight, teacher_set.info.projection_rank,
-                                             teacher_set.info.fingerprint)
-        return weight, teacher_set.info.fingerprint
+                                             fingerprint)
+        return weight, fingerprint
 
 

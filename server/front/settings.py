@@ -40,6 +40,8 @@ class ServerOptions:
     http_max_connections: int = 4096
     # Student tokenizers aligned requests may name: key -> tokenizer directory, loaded at start.
     student_tokenizers: dict[str, str] = field(default_factory=dict)
+    # Where a teacher moved to a Megatron checkpoint (`checkpoint_move`) caches its conversion.
+    checkpoint_cache_dir: str | None = None
 
 
 DEFAULTS = ServerOptions()

@@ -88,7 +88,8 @@ def canaries(settings: DriftSettings, info: EngineInfo) -> list[np.ndarray]:
     return list(rng.integers(0, info.vocab_size, size=(settings.canaries, length), dtype=np.int64))
 
 
-def _request(index: int, ids: np.ndarray) -> EngineRequest:
+def canary_request(index: int, ids: np.ndarray) -> EngineRequest:
+    """Canary `index` as an engine request (its log-probs only)."""
     return EngineRequest(request_id=f"proctor-canary-{index}", token_ids=token_array(ids), first_row=1,
                          logprobs=True, topk=0, hidden_states=False)
 
@@ -118,6 +119,13 @@ class DriftCheck:
         self._first: dict[int, torch.Tensor] = {}  # index -> the teacher's first answer (log-probs): pinned
         self._task: asyncio.Task | None = None
 
+    def forget_answers(self) -> None:
+        """Drop the first answers and every replica's drift: the teacher serves another step now
+        (`checkpoint_move`), whose first answers the next check pins."""
+        self._first = {}
+        self.drift.clear()
+        self.checks.clear()
+
     def replica_fields(self, replica_id: str) -> dict[str, Any]:
         """The ReplicaInfo fields of a replica's drift (none before its first check)."""
         if replica_id not in self.checks:
@@ -133,7 +141,7 @@ class DriftCheck:
             self._canaries = dict(enumerate(canaries(self.settings, info)))
         if engine is None or not self._canaries:
             return None
-        batch = {index: _request(index, ids) for index, ids in self._canaries.items()}
+        batch = {index: canary_request(index, ids) for index, ids in self._canaries.items()}
         try:
             outcomes = await engine.score(list(batch.values()))
         except Exception as exc:

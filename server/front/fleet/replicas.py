@@ -73,6 +73,11 @@ class Replica:
     served: int = 0  # results this replica delivered (a request computed twice would show here)
     failures: int = 0
     restarts: int = 0
+    # The fingerprint of the weights its engine serves (set at each start); stamped on its answers.
+    fingerprint: str = ""
+    # The engine factory of this replica on another model folder (`checkpoint_move`); None: its
+    # weights cannot be changed while serving (a swap group's teacher).
+    refactory: Callable[[str], EngineFactory] | None = field(default=None, repr=False)
     # Set by the replica set that holds it: the teacher it serves and where it reports events.
     teacher: str = ""
     sink: MetricsSink = field(default=NULL_SINK, repr=False)
@@ -119,6 +124,7 @@ class Replica:
         engine = await self.factory()
         await engine.start()
         self.engine = engine
+        self.fingerprint = engine.describe().fingerprint
         self.batcher = Batcher(engine, sink=self.sink, teacher=self.teacher)
         self.batcher.start()
         self.state = ReplicaState.HEALTHY
@@ -160,7 +166,7 @@ class Replica:
         """Score one request through the batcher, counting its tokens as this replica's load."""
         if self.batcher is None:
             raise ReplicaLost(f"replica {self.replica_id} is not running")
-        generation = self._generation
+        generation, fingerprint = self._generation, self.fingerprint
         self.outstanding_tokens += request.num_tokens
         try:
             result = await self.batcher.submit(request)
@@ -171,6 +177,7 @@ class Replica:
         finally:
             self.outstanding_tokens -= request.num_tokens
         self.served += 1
+        result.fingerprint = fingerprint
         self.sink.replica_scored(self.teacher, self.replica_id)
         if result.prompt_reused_tokens is not None:
             self.sink.prompt_reused(self.teacher, result.prompt_reused_tokens)
@@ -179,10 +186,15 @@ class Replica:
         return result
 
 
-def engine_replica(replica_id: str, build: Callable[[], TeacherEngine], **fields: Any) -> Replica:
-    """A replica whose engine `build()` makes (called at start and at every restart)."""
+def engine_factory(build: Callable[[], TeacherEngine]) -> EngineFactory:
+    """The factory of engines that `build()` makes (called at start and at every restart)."""
 
     async def factory() -> TeacherEngine:
         return build()
 
-    return Replica(replica_id, factory, **fields)
+    return factory
+
+
+def engine_replica(replica_id: str, build: Callable[[], TeacherEngine], **fields: Any) -> Replica:
+    """A replica whose engine `build()` makes (called at start and at every restart)."""
+    return Replica(replica_id, engine_factory(build), **fields)

@@ -159,6 +159,10 @@ class ReplicaSet:
             raise ScoringError(Code.UNAVAILABLE, f"teacher {self.name!r} is still loading", retry_after=NOT_READY_RETRY_S)
         return self._info
 
+    def adopt(self, info: EngineInfo) -> None:
+        """What the teacher serves from now on: every replica moved to another step (`checkpoint_move`)."""
+        self._info = info
+
     def healthy(self) -> list[Replica]:
         """The HEALTHY replicas."""
         return [r for r in self.replicas if r.state is ReplicaState.HEALTHY]

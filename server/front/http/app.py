@@ -20,6 +20,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from proctor.server.common.errors import Code, ScoringError
 from proctor.server.front.auth import TokenAuth
+from proctor.server.front.http.admin_serving import AdminServing
 from proctor.server.front.http.completions_serving import CompletionsServing
 from proctor.server.front.http.errors import error_response
 from proctor.server.front.http.router import Serving, router
@@ -76,6 +77,7 @@ def create_app(
         TokenizeServing(service, completions.tokenizers, max_body_bytes=limit),
         SglangServing(service, responses, completions.tokenizers, max_body_bytes=limit),
         TitoServing(service, responses, completions.tokenizers, max_body_bytes=limit),
+        AdminServing(service, token_set=auth.enabled, cache_dir=options.checkpoint_cache_dir),
     )
     app.include_router(router)
     return app

@@ -15,6 +15,7 @@ from google.protobuf.json_format import MessageToDict
 
 from proctor.proto import scoring_pb2
 from proctor.server.front.fleet.replicas import ReplicaState
+from proctor.server.front.http.admin_serving import AdminServing
 from proctor.server.front.http.completions_serving import CompletionsServing
 from proctor.server.front.http.openai_compat import CompletionBody
 from proctor.server.front.http.score_serving import SCORE_OPENAPI, ScoreServing
@@ -36,6 +37,7 @@ class Serving:
     tokenize: TokenizeServing
     sglang: SglangServing
     tito: TitoServing
+    admin: AdminServing
 
 
 def _serving(request: Request) -> Serving:
@@ -84,6 +86,12 @@ async def ready(request: Request) -> Response:
                     if r.state is ReplicaState.DEGRADED]  # drifting (`drift`): served only when no other is healthy
         return JSONResponse({"status": "ready", **({"degraded": degraded} if degraded else {})})
     return JSONResponse({"status": "not ready", "state": service.state.value}, status_code=503)
+
+
+@router.post("/admin/teachers/{name}/checkpoint",
+             summary="Move a teacher to another step ({dist_ckpt_path} or {model_path}), replica by replica")
+async def move_checkpoint(request: Request, name: str) -> Response:
+    return await _serving(request).admin.move_checkpoint(request, name)
 
 
 @router.get("/metrics", summary="Prometheus metrics")
