@@ -30,7 +30,7 @@ from completions_rounds import Round, grpc_round, measure
 from proctor.client import TeacherClient
 from proctor.server.cli.tiny_model import make_tiny_model
 
-from support.servers import SubprocessServer
+from support.servers import SubprocessServer, tiny_bench_server
 
 
 async def generate_round(http: httpx.AsyncClient, url: str, seqs: list[list[int]], topk: int,
@@ -94,11 +94,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = make_tiny_model(Path(tmp) / "teacher")
-        engine_args = (["--engine", "vllm", "--dtype", "float32", "--inference", "gpu_memory_utilization=0.1",
-                        "--inference", "enforce_eager=true"] if args.engine == "vllm" else [])
-        server = SubprocessServer(["--model", str(model), "--max-topk", str(args.topk), "--teacher-name", "bench",
-                                   "--max-model-len", str(max(2048, args.length + 1)), "--no-verbose", *engine_args],
-                                  startup_timeout=600)
+        server = tiny_bench_server(model, engine=args.engine, topk=args.topk, name="bench", length=args.length)
         try:
             asyncio.run(run(args, server))
         finally:

@@ -97,3 +97,17 @@ def two_teachers(tiny_model_dir, other_model_dir):
     server = start_server(two_teacher_router(tiny_model_dir, other_model_dir))
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def two_teachers_served(tmp_path_factory, tiny_model_dir, other_model_dir):
+    """`proctor serve --config` in its own process with two torch teachers: math (the tiny teacher,
+    key openai/gsm8k) and geo (the other, key hiyouga/geometry3k), one device each."""
+    from support.configs import cpu_config, torch_teacher, write_config
+    from support.servers import SubprocessServer
+
+    config = cpu_config({"math": torch_teacher(tiny_model_dir, key="openai/gsm8k"),
+                         "geo": torch_teacher(other_model_dir, key="hiyouga/geometry3k")}, devices=2)
+    server = SubprocessServer(["--config", str(write_config(tmp_path_factory.mktemp("cfg"), config))])
+    yield server
+    server.stop()

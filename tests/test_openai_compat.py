@@ -12,10 +12,9 @@ import httpx
 import pytest
 import torch
 
-from support.configs import cpu_config, torch_teacher, write_config
 from support.reference import reference_rows
 from support.routers import slow_router
-from support.servers import SubprocessServer, engine_of, request_count, start_server
+from support.servers import engine_of, request_count, start_server
 
 MATH, GEO = "openai/gsm8k", "hiyouga/geometry3k"
 SEQUENCES = [[5, 6, 7, 8, 9, 10, 11], [40, 41, 42, 43], [1, 300, 2, 301, 3, 302, 4, 303]]
@@ -23,13 +22,9 @@ PROMPT_LENGTHS = [3, 1, 4]
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, tiny_model_dir, other_model_dir):
+def served(two_teachers_served):
     """`proctor serve --config` with two teachers (math: the tiny teacher, geo: the other)."""
-    config = cpu_config({"math": torch_teacher(tiny_model_dir, key=MATH), "geo": torch_teacher(other_model_dir, key=GEO)},
-                        devices=2)
-    server = SubprocessServer(["--config", str(write_config(tmp_path_factory.mktemp("cfg"), config))])
-    yield server
-    server.stop()
+    return two_teachers_served
 
 
 @pytest.fixture(scope="module")

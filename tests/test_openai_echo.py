@@ -14,22 +14,16 @@ from urllib.parse import quote
 import httpx
 import pytest
 
-from support.configs import cpu_config, torch_teacher, write_config
 from support.reference import reference_rows
-from support.servers import SubprocessServer
 
 MATH, GEO = "openai/gsm8k", "hiyouga/geometry3k"
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, tiny_model_dir, other_model_dir):
-    """`proctor serve --config` with two torch teachers (math: the tiny teacher, geo: the other)."""
-    config = cpu_config({"math": torch_teacher(tiny_model_dir, key=MATH), "geo": torch_teacher(other_model_dir, key=GEO)},
-                        devices=2)
-    server = SubprocessServer(["--config", str(write_config(tmp_path_factory.mktemp("cfg"), config))])
-    yield server
-    server.stop()
+def served(two_teachers_served):
+    """`proctor serve --config` with two teachers (math: the tiny teacher, geo: the other)."""
+    return two_teachers_served
 
 
 def _tokenizer(model_dir):

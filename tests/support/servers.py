@@ -293,3 +293,13 @@ def kill_one_under_load(stub, work: dict[str, list[int]], victim, survivor, *, i
         if alive(survivor):
             os.kill(survivor.pid, signal.SIGCONT)
     return KilledUnderLoad(killed_with, errors, answered)
+
+
+def tiny_bench_server(model, *, engine: str, topk: int, name: str, length: int) -> SubprocessServer:
+    """`proctor serve` on a benchmark's tiny teacher: the torch engine, or vLLM (float32, eager, a
+    tenth of the memory); its length fits sequences of `length` tokens and one more."""
+    engine_args = (["--engine", "vllm", "--dtype", "float32", "--inference", "gpu_memory_utilization=0.1",
+                    "--inference", "enforce_eager=true"] if engine == "vllm" else [])
+    return SubprocessServer(["--model", str(model), "--max-topk", str(topk), "--teacher-name", name,
+                             "--max-model-len", str(max(2048, length + 1)), "--no-verbose", *engine_args],
+                            startup_timeout=600)
