@@ -227,6 +227,13 @@ def is_greedy(temperature: float | None) -> bool:
     return temperature == 0.0
 
 
+def refuse_sampled_token(temperature: float | None) -> None:
+    """A generating surface asked for a token's log-probs at a temperature other than 0: that token
+    would be sampled, and proctor generates greedily only (the rule of every generating surface)."""
+    raise invalid("temperature", f"is {temperature!r}; logprobs with max_tokens 1 asks for a generated token, "
+                  "and this server generates greedily only: send temperature 0 (or echo with max_tokens 0)")
+
+
 def scoring_temperature(temperature: float | None) -> float | None:
     """The temperature to score at for a generating surface's value: none (1) for greedy."""
     return None if temperature is None or is_greedy(temperature) else temperature

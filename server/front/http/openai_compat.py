@@ -44,6 +44,7 @@ from proctor.server.front.http.models import (
     checked,
     is_greedy,
     json_temperature,
+    refuse_sampled_token,
     required,
     scoring_temperature,
 )
@@ -205,9 +206,7 @@ class CompletionBody(WireModel):
     def _prompt_forms(self) -> CompletionBody:
         generates = self.max_tokens == 1 and is_greedy(self.temperature)
         if self.max_tokens == 1 and self.logprobs is not None and not generates:
-            raise invalid("temperature", f"is {self.temperature!r}; logprobs with max_tokens 1 asks for a generated "
-                          "token, and this server generates greedily only: send temperature 0 (or echo with "
-                          "max_tokens 0)")
+            refuse_sampled_token(self.temperature)
         if self.prompt_logprobs is None and self.logprobs is None and not generates:
             raise invalid("prompt_logprobs", "is required: send prompt_logprobs K, logprobs N with echo, or "
                           "temperature 0 for the greedy next token")

@@ -257,8 +257,6 @@ class GenerateBody(WireModel):
         salts = _per_item("cache_salt", self.cache_salt, count, batch)
         if not all(salt is None or isinstance(salt, str) for salt in salts):
             raise invalid("cache_salt", "must be a string (or one per prompt of a batch)")
-        if self.mm_processor_kwargs is not None and not isinstance(self.mm_processor_kwargs, dict):
-            raise invalid("mm_processor_kwargs", "must be an object")
         self._items = [
             GenerateItem(rid, prompt, samp, bool(want), start, top, ids, mode, images, salt or "")
             for rid, prompt, samp, want, start, top, ids, mode, images, salt in zip(

@@ -105,7 +105,8 @@ class _Scored:
 
 def _planned(body: GenerateBody, teacher_set: ReplicaSet, key: str, tokenizer: Any) -> list[Planned]:
     """Each prompt's ids (text through the teacher's tokenizer) and its ScoreRequest."""
-    kwargs = json.dumps(body.mm_processor_kwargs) if body.mm_processor_kwargs else ""
+    # as the wire carries it: the rule of every surface (`media_fields.processor_kwargs`) refuses a non-object
+    kwargs = json.dumps(body.mm_processor_kwargs) if body.mm_processor_kwargs is not None else ""
     plans = []
     for index, item in enumerate(body.items):
         ids = item.prompt
