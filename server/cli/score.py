@@ -11,6 +11,7 @@ from pathlib import Path
 
 import grpc
 import httpx
+import numpy as np
 
 from proctor.proto import decode_tensor, scoring_pb2, scoring_pb2_grpc
 from proctor.proto.routing_keys import UnroutableKey, key_table, route_key
@@ -102,8 +103,12 @@ def score_once(
         if reply.status_code != 200:
             raise ScoreFailed(f"error {reply.status_code}: {data['error']['message']}")
         first = data["first_row"]
-        return RowScores(first, data["logprobs"][first:], (data.get("topk_ids") or [])[first:] if topk else [],
-                         (data.get("topk_logprobs") or [])[first:] if topk else [], data["teacher"])
+
+        def float32(values: list) -> list:  # JSON's text of the wire's float32 scores, read back as float32
+            return np.asarray(values, dtype=np.float32).tolist()
+
+        return RowScores(first, float32(data["logprobs"][first:]), (data.get("topk_ids") or [])[first:] if topk else [],
+                         float32((data.get("topk_logprobs") or [])[first:]) if topk else [], data["teacher"])
     address = target.removeprefix("grpc://")
     request = scoring_pb2.ScoreRequest(token_ids=token_ids, teacher_key=teacher_key, logprobs=True, topk=topk)
     if prompt_length is not None:
