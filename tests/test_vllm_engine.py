@@ -9,6 +9,7 @@ default tiny teacher's 4 heads of 16).
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 import textwrap
@@ -479,7 +480,12 @@ def test_devices_become_visible_devices_variables():
         "CUDA_VISIBLE_DEVICES": "2,3"
     }
     assert engine_environment(EngineSpec(name="vllm", model_path="/m", device="npu:1")) == {"ASCEND_RT_VISIBLE_DEVICES": "1"}
-    assert engine_environment(EngineSpec(name="vllm", model_path="/m", device="cpu", devices=("0",))) == {}
+    # a CPU replica binds its own cores (`args.cpu_binding_environment`), unless the operator set a bind
+    cores = sorted(os.sched_getaffinity(0))
+    for device in ("0", "1"):
+        cpu = engine_environment(EngineSpec(name="vllm", model_path="/m", device="cpu", devices=(device,)))
+        bound = str(cores[int(device) % len(cores)])  # device d on the d-th core this process may use
+        assert cpu == ({} if "VLLM_CPU_OMP_THREADS_BIND" in os.environ else {"VLLM_CPU_OMP_THREADS_BIND": bound})
 
 
 def test_unembedding_of_tied_checkpoint_is_the_embeddings(tmp_path):

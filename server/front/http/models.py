@@ -219,24 +219,11 @@ def json_temperature(value: Any) -> float | None:
     return float(value)
 
 
-def is_greedy(temperature: float | None) -> bool:
-    """Whether a generating surface's temperature (vLLM's, SGLang's, OpenAI's) asks for greedy
-    decoding: 0 there means greedy, and those servers' prompt log-probs are then the raw ones, so
-    0 is taken as "score at 1, generate greedily"; any other value is the scoring temperature,
-    checked by `front.validation` like every other (`scoring_temperature`)."""
-    return temperature == 0.0
-
-
 def refuse_sampled_token(temperature: float | None) -> None:
     """A generating surface asked for a token's log-probs at a temperature other than 0: that token
     would be sampled, and proctor generates greedily only (the rule of every generating surface)."""
     raise invalid("temperature", f"is {temperature!r}; logprobs with max_tokens 1 asks for a generated token, "
                   "and this server generates greedily only: send temperature 0 (or echo with max_tokens 0)")
-
-
-def scoring_temperature(temperature: float | None) -> float | None:
-    """The temperature to score at for a generating surface's value: none (1) for greedy."""
-    return None if temperature is None or is_greedy(temperature) else temperature
 
 
 def padded_id_rows(rows: list[list], field: str) -> np.ndarray:

@@ -42,15 +42,26 @@ from proctor.server.front.http.models import (
     Int32,
     WireModel,
     checked,
-    is_greedy,
     json_temperature,
     refuse_sampled_token,
     required,
-    scoring_temperature,
 )
 from proctor.server.front.ids import int32_ids
 
 _NOT_SCORING = "is not supported: this server scores prompts (prompt_logprobs) and generates nothing"
+
+
+def is_greedy(temperature: float | None) -> bool:
+    """Whether a generating surface's temperature (vLLM's, SGLang's, OpenAI's) asks for greedy
+    decoding: 0 there means greedy, and those servers' prompt log-probs are then the raw ones, so
+    0 is taken as "score at 1, generate greedily"; any other value is the scoring temperature,
+    checked by `front.validation` like every other (`scoring_temperature`)."""
+    return temperature == 0.0
+
+
+def scoring_temperature(temperature: float | None) -> float | None:
+    """The temperature to score at for a generating surface's value: none (1) for greedy."""
+    return None if temperature is None or is_greedy(temperature) else temperature
 
 
 @dataclass(frozen=True)
@@ -158,7 +169,7 @@ class CompletionBody(WireModel):
     max_tokens: Annotated[int, checked(_max_tokens, int)] = required("1 (or 0 with echo)")
     prompt_logprobs: Annotated[int | None, checked(_count("prompt_logprobs"), int | None)] = None
     logprobs: Annotated[int | None, checked(_count("logprobs"), int | None)] = None
-    # 0: greedy, raw log-probs (`models.is_greedy`); else the temperature scores are divided by.
+    # 0: greedy, raw log-probs (`is_greedy`); else the temperature scores are divided by.
     temperature: Annotated[float | None, checked(json_temperature, float | None)] = None
     cache_salt: str | None = None  # vLLM's: scopes prompt reuse (ScoreRequest.cache_salt)
     # Accepted at their neutral value only.
