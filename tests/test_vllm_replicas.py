@@ -217,9 +217,10 @@ def test_each_replica_binds_its_own_cores(two_replicas):
     name two different ones (before, both said `core ids=[0]`)."""
     import re
 
-    from support.servers import engine_cores
+    from support.servers import engine_cores, wait_for
 
     wanted = min(2, len(os.sched_getaffinity(0)))
+    wait_for(lambda: len(engine_cores(two_replicas)) == 2, timeout=300, interval=1)  # a replica killed before may restart
     # what each replica's engine host was started with (its environment, read from the OS)
     masks = {replica: proc.parent().environ().get("VLLM_CPU_OMP_THREADS_BIND")  # the replica worker, exec'd with it
              for replica, proc in engine_cores(two_replicas).items()}
