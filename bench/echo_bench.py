@@ -34,17 +34,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from proctor.client import TeacherClient
 from proctor.server.cli.tiny_model import make_tiny_model
 
-from support.cpu import process_cpu
+from support.cpu import process_cpu, tree_cpu
 from support.servers import SubprocessServer
 from support.stock_vllm import StockServer
 
 BODY = {"echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0, "seed": 1234}
 BATCH = 4  # prompts per call, as lm-eval batches them
-
-
-def tree_cpu(pid: int) -> float:
-    root = psutil.Process(pid)
-    return sum(process_cpu(proc) for proc in [root, *root.children(recursive=True)])
 
 
 @dataclass

@@ -35,13 +35,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import psutil
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from proctor.server.cli.tiny_model import make_tiny_model
 
-from support.cpu import descendants_cpu, process_cpu
+from support.cpu import tree_cpu
 from support.servers import SubprocessServer
 
 ENGINE_FLAGS = {
@@ -64,12 +63,6 @@ def traffic(groups: int, n: int, prompt: int, response: int, *, shared: bool, se
             out.append(torch.cat([head, torch.randint(3, 512, (response,), generator=gen)]).tolist())
     random.Random(seed).shuffle(out)
     return out
-
-
-def tree_cpu_seconds(pid: int) -> float:
-    """CPU-seconds of the serving tree: the front and its live descendants."""
-    root = psutil.Process(pid)
-    return process_cpu(root) + descendants_cpu(root)
 
 
 def counters(server: SubprocessServer) -> dict[str, float]:
@@ -119,14 +112,14 @@ CLIENTS = {"trl": score_trl, "openai": score_openai}
 
 
 def run(server: SubprocessServer, client: str, sequences: list[list[int]], args) -> dict:
-    before, cpu = counters(server), tree_cpu_seconds(server.proc.pid)
+    before, cpu = counters(server), tree_cpu(server.proc.pid)
     wall = time.perf_counter()
     answers = CLIENTS[client](server, sequences, args.topk, args.concurrency)
     wall = time.perf_counter() - wall
     after = counters(server)
     tokens = sum(len(s) for s in sequences)
     return {"wall": wall, "tokens": tokens, "tokens_s": tokens / wall, "answers": answers,
-            "cpu": tree_cpu_seconds(server.proc.pid) - cpu, **{k: after[k] - before[k] for k in COUNTERS}}
+            "cpu": tree_cpu(server.proc.pid) - cpu, **{k: after[k] - before[k] for k in COUNTERS}}
 
 
 def gap(on: list, off: list) -> tuple[float, bool]:

@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from proctor.client import TeacherClient
 from proctor.server.cli.tiny_model import make_tiny_model
 
+from support.cpu import tree_cpu
 from support.servers import SubprocessServer
 from support.stock_vllm import StockServer
 
@@ -84,19 +85,6 @@ async def grpc_phase(client: TeacherClient, seqs: list[list[int]], **kwargs) -> 
     started = time.perf_counter()
     await asyncio.gather(*(client.score(ids, **kwargs) for ids in seqs))
     return time.perf_counter() - started
-
-
-def tree_cpu(pid: int) -> float:
-    """CPU seconds (user + system) so far of a process and everything below it."""
-    root = psutil.Process(pid)
-    total = 0.0
-    for proc in [root, *root.children(recursive=True)]:
-        try:
-            times = proc.cpu_times()
-        except psutil.Error:
-            continue
-        total += times.user + times.system
-    return total
 
 
 def row_math_seconds(model: Path, rows: int, *, repeat: int = 5, ranks: bool = False) -> float:

@@ -17,3 +17,9 @@ def process_cpu(proc: psutil.Process) -> float:
 def descendants_cpu(proc: psutil.Process) -> float:
     """CPU-seconds of a process's live descendants (replica workers, vLLM's EngineCore and workers)."""
     return sum(process_cpu(child) for child in proc.children(recursive=True))
+
+
+def tree_cpu(pid: int) -> float:
+    """CPU-seconds of a serving tree: the process `pid` and its live descendants."""
+    root = psutil.Process(pid)
+    return process_cpu(root) + descendants_cpu(root)
