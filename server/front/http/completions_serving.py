@@ -26,7 +26,7 @@ from proctor.server.common.off_loop import off_loop_if
 from proctor.server.front.bounded_json import loads_bounded
 from proctor.server.front.fleet.routing import ReplicaSet
 from proctor.server.front.http.cancellation import ClientGone, cancel_on_disconnect, client_gone
-from proctor.server.front.http.errors import openai_error
+from proctor.server.front.http.errors import named_by_surface, openai_error
 from proctor.server.front.http.openai_compat import CompletionBody
 from proctor.server.front.http.request import INLINE_BODY_BYTES, read_body, request_timeout
 from proctor.server.front.http.teacher_paths import path_key, routing_key
@@ -34,6 +34,9 @@ from proctor.server.front.http.teacher_tokenizers import Tokenizers
 from proctor.server.front.ids import extend_ids
 from proctor.server.front.responses import Responses
 from proctor.server.front.service import ScoredRequest, ScoringService, ServiceState
+
+# The service's field names that vLLM's completions request calls otherwise.
+_VLLM_NAMES = {"teacher_key": "model"}
 
 
 @dataclass(frozen=True)
@@ -154,8 +157,8 @@ class CompletionsServing:
         try:
             raw = await read_body(request, self.max_body_bytes)
             call = await cancel_on_disconnect(request, self._score(request, raw))
-        except ScoringError as error:
-            return openai_error(error)
+        except ScoringError as error:  # the rules' words, under the names vLLM's request gives the fields
+            return openai_error(named_by_surface(error, _VLLM_NAMES))
         except ClientGone:
             return client_gone()
         form = call.ask.form
@@ -173,12 +176,7 @@ class CompletionsServing:
         most = self.service.most_body_numbers(sequences=self.service.limits.max_queue_requests, score_ids=False)
         ask = await off_loop_if(large, _parse, raw, most)
         template = _template(ask, routing_key(self.service.router, path_key(request.scope.get("state")), ask.model, "model"))
-        try:
-            teacher_set = self.service.route(template)
-        except ScoringError as exc:  # the routing rule's words, under the name this surface gives the key
-            if exc.field != "teacher_key":
-                raise
-            raise ScoringError(exc.code, exc.message.replace("teacher_key:", "model:", 1), field="model") from None
+        teacher_set = self.service.route(template)
         tokenizer = await self.tokenizers.tokenizer(teacher_set)
         if ask.logprobs is not None and tokenizer is None:
             raise invalid("logprobs", f"teacher {teacher_set.name!r} has no tokenizer here, so its tokens have no "

@@ -10,6 +10,8 @@ the same hint to the millisecond.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from fastapi.responses import JSONResponse
 
 from proctor.proto.wire import RETRY_AFTER_HEADER, RETRY_AFTER_MS_HEADER
@@ -58,3 +60,13 @@ def sglang_error(error: ScoringError) -> JSONResponse:
     status = 400 if error.code is Code.INVALID_ARGUMENT else error.code.http_status
     return JSONResponse({"error": {"message": error.message}}, status_code=status,
                         headers=retry_headers(error, millis=False))
+
+
+def named_by_surface(error: ScoringError, names: Mapping[str, str]) -> ScoringError:
+    """A refusal of the service under the field names a surface's own request gives (`teacher_key`
+    is vLLM's `model`, say); its message stays the rule's own."""
+    field = names.get(error.field or "")
+    if field is None:
+        return error
+    message = error.message.removeprefix(f"{error.field}: ")
+    return ScoringError(error.code, f"{field}: {message}", field=field, retry_after=error.retry_after)

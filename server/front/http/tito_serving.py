@@ -28,7 +28,7 @@ from proctor.server.engines.teacher_serves import sequence_problem
 from proctor.server.front.bounded_json import loads_bounded
 from proctor.server.front.fleet.routing import ReplicaSet
 from proctor.server.front.http.cancellation import ClientGone, cancel_on_disconnect, client_gone
-from proctor.server.front.http.errors import openai_error
+from proctor.server.front.http.errors import named_by_surface, openai_error
 from proctor.server.front.http.request import INLINE_BODY_BYTES, read_body, request_timeout
 from proctor.server.front.http.teacher_paths import path_key, routing_key
 from proctor.server.front.http.teacher_tokenizers import Tokenizers, model_dir
@@ -45,15 +45,6 @@ _FIELDS = {
     "prompt_length": f"{SAMPLING}.prompt_logprob_start",
     "teacher_key": "model",
 }
-
-
-def _named_here(error: ScoringError) -> ScoringError:
-    """A refusal of the service named by this surface's field (its message is the rule's own)."""
-    field = _FIELDS.get(error.field or "")
-    if field is None:
-        return error
-    message = error.message.removeprefix(f"{error.field}: ")
-    return ScoringError(error.code, f"{field}: {message}", field=field, retry_after=error.retry_after)
 
 
 def plan_of(ask: GenerateBody) -> GeneratePlan:
@@ -141,7 +132,7 @@ class TitoServing:
             ask, plan, reply, scored, teacher_set, tokenizer = await cancel_on_disconnect(
                 request, self._score(request, raw))
         except ScoringError as error:
-            return openai_error(_named_here(error))
+            return openai_error(named_by_surface(error, _FIELDS))
         except ClientGone:
             return client_gone()
         text = self.tokenizers.token_text(teacher_set, tokenizer)
