@@ -257,7 +257,7 @@ async def serve_front(replicas: int, model: str) -> None:
     options = ServerOptions(grpc_port=0, http_port=0)
     server = ProctorServer(Router([ReplicaSet("default", build)]), options)
     print(f"proctor: gRPC on {options.host}:{server.grpc_port}, HTTP on {options.host}:{server.http_port}", flush=True)
-    await server.serve_forever()
+    await server.serve_until_terminated()
 
 
 def _requests(seqs: list[list[int]], hidden: bool) -> list[bytes]:

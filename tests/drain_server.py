@@ -18,7 +18,7 @@ async def main(model_dir: str, delay: float, grace: float) -> int:
     router, _ = slow_router(model_dir, delay)
     server = ProctorServer(router, ServerOptions(grpc_port=0, http_port=0, drain_grace_s=grace))
     print(f"proctor: gRPC on 127.0.0.1:{server.grpc_port}, HTTP on 127.0.0.1:{server.http_port}", flush=True)
-    return await server.serve_forever()
+    await server.serve_until_terminated()
 
 
 if __name__ == "__main__":

@@ -5,16 +5,13 @@ from __future__ import annotations
 
 import io
 import json
-import re
 import signal
 import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import grpc
 import httpx
@@ -25,6 +22,7 @@ from proctor.client.transports import PayloadTooLarge
 from proctor.proto import scoring_pb2, scoring_pb2_grpc
 from proctor.server.common.errors import Code
 
+from support.drain import start_drain_server
 from support.servers import poll_live_while
 
 TOKEN = "hostile-token"
@@ -228,29 +226,8 @@ def test_keep_alive_answers_do_not_wait_for_delayed_acks(torch_server):
     assert statistics.median(timings) < 0.02, timings
 
 
-def _start_drain_server(model_dir: Path, delay: float, grace: float) -> tuple[subprocess.Popen, str, str]:
-    script = Path(__file__).with_name("drain_server.py")
-    proc = subprocess.Popen([sys.executable, str(script), str(model_dir), str(delay), str(grace)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=script.parent)
-    line = ""
-    while "gRPC on" not in line:
-        line = proc.stdout.readline()
-        assert line, "drain server died at startup"
-    threading.Thread(target=proc.stdout.read, daemon=True).start()
-    match = re.search(r"gRPC on (\S+), HTTP on (\S+)", line)
-    url = f"http://{match.group(2)}"
-    for _ in range(300):
-        try:
-            if httpx.get(url + "/health/ready", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    return proc, match.group(1), url
-
-
 def test_sigterm_drains_http_with_503_for_new_requests_and_exits_zero(tiny_model_dir):
-    proc, grpc_target, url = _start_drain_server(tiny_model_dir, delay=1.0, grace=20)
+    proc, grpc_target, url = start_drain_server(tiny_model_dir, delay=1.0, grace=20)
     try:
         with ThreadPoolExecutor(4) as pool:
             admitted = [pool.submit(httpx.post, url + "/v1/score", json={**GOOD, "request_id": f"h{i}"}, timeout=30)

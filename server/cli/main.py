@@ -235,12 +235,12 @@ def _serve_until_stopped(router: Router, options: ServerOptions, *, switch_inter
         sys.setswitchinterval(switch_interval_ms / 1000)
         try:
             server = ProctorServer(router, options)
-        except PortUnavailable as exc:  # nothing started yet: the replicas start in serve_forever
+        except PortUnavailable as exc:  # nothing started yet: the replicas start in serve_until_terminated
             print(f"proctor: cannot serve: {exc}", file=sys.stderr, flush=True)
             return 1
         print(f"proctor: gRPC on {options.host}:{server.grpc_port}, HTTP on {options.host}:{server.http_port}", flush=True)
         try:
-            return await server.serve_forever()
+            await server.serve_until_terminated()
         except (EngineError, StudentTokenizerError) as exc:  # a replica or student tokenizer could not start
             print(f"proctor: cannot serve: {exc}", file=sys.stderr, flush=True)
             await server.stop()

@@ -8,14 +8,18 @@ gRPC and HTTP servers share the same batches. `ProctorServer` is what `proctor s
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import logging
+import os
 import signal
 import socket
+import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import NoReturn
 
 import uvicorn
 
@@ -113,17 +117,19 @@ class ProctorServer:
         log.info("proctor serving: gRPC %s:%d, HTTP %s:%d", self.options.host, self.grpc_port,
                  self.options.host, self.http_port)
 
-    async def drain_and_stop(self, grace_s: float | None = None) -> bool:
-        """Stop admitting, finish in-flight requests (up to grace_s), then stop everything."""
+    async def drain_and_stop(self, grace_s: float | None = None, *, close_grpc: bool = True) -> bool:
+        """Stop admitting, finish in-flight requests (up to grace_s), then stop everything (with
+        close_grpc=False, all but the gRPC server, which goes on answering UNAVAILABLE)."""
         grace = self.options.drain_grace_s if grace_s is None else grace_s
         await self.grpc.set_serving(False)
         finished = await self.service.drain(grace)
-        await self.stop()
+        await self.stop(close_grpc=close_grpc)
         return finished
 
-    async def stop(self) -> None:
+    async def stop(self, *, close_grpc: bool = True) -> None:
         await self.grpc.set_serving(False)
-        await self.grpc.stop(1.0)
+        if close_grpc:
+            await self.grpc.stop(1.0)
         self.http.should_exit = True
         if self._http_task is not None:
             with contextlib.suppress(Exception):
@@ -135,8 +141,16 @@ class ProctorServer:
             self._metrics_server = None
         self.stopped.set()
 
-    async def serve_forever(self) -> int:
-        """Run until SIGTERM/SIGINT; then drain. Returns the process exit code."""
+    async def serve_until_terminated(self) -> NoReturn:
+        """Run until SIGTERM/SIGINT, drain, and end the process with exit code 0.
+
+        The gRPC server is never shut down by gRPC core: core's shutdown fails every call it has
+        received but not yet handed to a handler, and every call that reaches a connection before
+        the client has read the GOAWAY, with CANCELLED, which a stock client does not retry
+        (about one call a drain under a retrying client, tests/test_drain_exit.py). Instead it
+        goes on answering UNAVAILABLE while HTTP, the replicas and the metrics server stop, and
+        the process ends under it: a call racing the end sees its connection closed, which every
+        gRPC client reports as UNAVAILABLE."""
         from proctor.server.common.malloc_tuning import keep_large_buffers
 
         keep_large_buffers()  # this process serves: its answers' buffers are reused, not re-faulted
@@ -148,10 +162,21 @@ class ProctorServer:
         await self.start()
         await stop_requested.wait()
         log.info("signal received: draining (grace %.0fs)", self.options.drain_grace_s)
-        finished = await self.drain_and_stop()
+        finished = await self.drain_and_stop(close_grpc=False)
         if not finished:
             log.warning("grace period over with requests still in flight")
-        return 0
+        end_process(0)
+
+
+def end_process(code: int) -> NoReturn:
+    """End this process now, under a running event loop: exit handlers (logging, Ray's) run and
+    standard streams are flushed, but the loop is not torn down, so no request task is
+    cancelled into a CANCELLED answer; the kernel closes the sockets."""
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 class ServerThread:
