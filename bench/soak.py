@@ -1,10 +1,12 @@
 """A soak: steady mixed load on every surface for a set time, faults on a schedule, and one table
 that says whether anything was lost, wrong or leaked.
 
-`proctor serve` (the tiny teacher, two replicas in worker processes; `--engine vllm` for vLLM
-replicas at gpu_memory_utilization 0.12) runs in its own process. Client threads send the request
-kinds of `KINDS` in turn, each answer checked against the reference teacher (float64 log-softmax,
-`tests/support/reference.py`). On a schedule (fractions of `--minutes`): a replica worker
+`proctor serve --config` (two tiny teachers of other weights: `tiny` on two replicas, `tiny-b` on
+one, each in a worker process, and a student tokenizer of another vocabulary for aligned requests;
+`--engine vllm` for vLLM replicas at gpu_memory_utilization 0.12) runs in its own process. Client
+threads send the request kinds of `KINDS` in turn to each teacher in turn (gRPC by `teacher_key`,
+HTTP under the teacher's own `/teachers/{key}` base), each answer checked against that teacher's
+reference (float64 log-softmax, `tests/support/reference.py`). On a schedule (fractions of `--minutes`): a replica worker
 SIGKILLed, one SIGSTOPped for 20 s, hostile floods (oversized bodies, deep JSON, bad media,
 unknown keys), slow stream readers and mid-request cancels, another SIGKILL (of a vLLM EngineCore
 with `--engine vllm`), and at the end a SIGTERM drain under load and a restart.
@@ -19,6 +21,8 @@ server's Prometheus counts beside the clients' own.
 from __future__ import annotations
 
 import argparse
+import base64
+import io
 import json
 import os
 import signal
@@ -55,10 +59,64 @@ EXPECTED_REFUSALS = {"UNAVAILABLE", "RESOURCE_EXHAUSTED", 429, 503}
 # -- the request kinds: each sends one call and returns the log-probs of rows 1..T-1 (numpy) ------
 
 @dataclass
+class AlignedCase:
+    """An aligned request (a student of another tokenizer, `student_tokenizer=student`) made from a
+    work sequence, and what its teacher must answer: the teacher's own tokenization of the text
+    and the reference log-probs of its response rows."""
+
+    student_ids: list[int]
+    prompt_length: int
+    teacher_prompt_ids: list[int]
+    teacher_ids: list[int]
+    expected: np.ndarray
+
+
+class References:
+    """One teacher's reference log-probs and full distributions per sequence, and its aligned
+    cases, computed once."""
+
+    def __init__(self, model_dir: Path, work: list[list[int]], student_dir: Path) -> None:
+        from transformers import AutoTokenizer
+
+        self.rows = {tuple(ids): reference_rows(model_dir, ids) for ids in work}
+        teacher, student = AutoTokenizer.from_pretrained(model_dir), AutoTokenizer.from_pretrained(student_dir)
+        self.aligned = {tuple(ids): _aligned_case(ids, model_dir, teacher, student) for ids in work}
+
+    def check(self, kind: str, ids: list[int], got: np.ndarray) -> bool:
+        if kind == "aligned":
+            want = self.aligned[tuple(ids)].expected
+            return got.shape == want.shape and np.allclose(got, want, atol=ATOL)
+        ref = self.rows[tuple(ids)]
+        if kind in ID_TABLE_KINDS:
+            wanted = ref.distributions[:, [1, 2]].numpy()
+            return got.shape == (len(ids) - 1, 3) and np.allclose(got[:, 0], ref.logprobs.numpy(), atol=ATOL) and (
+                np.allclose(got[:, 1:], wanted, atol=ATOL))
+        return got.shape == (len(ids) - 1,) and np.allclose(got, ref.logprobs.numpy(), atol=ATOL)
+
+
+WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "12", "times", "7", "is", "84",
+         "and", "tea", "cools", "slowly")
+
+
+def _aligned_case(ids: list[int], model_dir: Path, teacher, student) -> AlignedCase:
+    words = [WORDS[token % len(WORDS)] for token in ids[: max(6, len(ids) // 3)]]
+    prompt, response = "User: " + " ".join(words[:3]) + "? Assistant:", " " + " ".join(words[3:]) + "."
+    s_prompt, t_prompt = student(prompt)["input_ids"], teacher(prompt)["input_ids"]
+    t_ids = t_prompt + teacher(response)["input_ids"]
+    expected = reference_rows(model_dir, t_ids, len(t_prompt)).logprobs.numpy()
+    return AlignedCase(s_prompt + student(response)["input_ids"], len(s_prompt), t_prompt, t_ids, expected)
+
+
+@dataclass
 class Target:
+    """One teacher as the clients see it: the server's gRPC target and the teacher's key, its own
+    HTTP base (`/teachers/{key}`), and its reference."""
+
     grpc_target: str
     http_url: str
+    teacher: str
     stub: scoring_pb2_grpc.TeacherScoringStub
+    refs: References
 
 
 class Refused(Exception):
@@ -83,12 +141,13 @@ def _http(reply: httpx.Response) -> httpx.Response:
 
 
 def grpc_unary(t: Target, ids: list[int]) -> np.ndarray:
-    answer = _grpc(lambda: t.stub.Score(scoring_pb2.ScoreRequest(token_ids=ids, logprobs=True, topk=TOPK), timeout=60))
+    request = scoring_pb2.ScoreRequest(token_ids=ids, logprobs=True, topk=TOPK, teacher_key=t.teacher)
+    answer = _grpc(lambda: t.stub.Score(request, timeout=60))
     return decode_tensor(answer.logprobs).double().numpy()
 
 
 def grpc_stream_hidden(t: Target, ids: list[int]) -> np.ndarray:
-    request = scoring_pb2.ScoreRequest(token_ids=ids, logprobs=True, hidden_states=True)
+    request = scoring_pb2.ScoreRequest(token_ids=ids, logprobs=True, hidden_states=True, teacher_key=t.teacher)
     chunks = _grpc(lambda: list(t.stub.ScoreStream(request, timeout=60)))
     first = chunks[0].response
     rows = sum(decode_tensor(c.response.hidden_states).shape[0] for c in chunks if c.response.HasField("hidden_states"))
@@ -104,7 +163,7 @@ def http_json(t: Target, ids: list[int]) -> np.ndarray:
 
 
 def http_protobuf(t: Target, ids: list[int]) -> np.ndarray:
-    body = scoring_pb2.ScoreRequest(token_ids=ids, logprobs=True).SerializeToString()
+    body = scoring_pb2.ScoreRequest(token_ids=ids, logprobs=True, teacher_key=t.teacher).SerializeToString()
     reply = _http(httpx.post(t.http_url + "/v1/score", content=body, timeout=60,
                              headers={"content-type": "application/x-protobuf"}))
     return decode_tensor(scoring_pb2.ScoreResponse.FromString(reply.content).logprobs).double().numpy()
@@ -121,14 +180,51 @@ def score_ids(t: Target, ids: list[int]) -> np.ndarray:
     """score_ids: the actual token and two fixed ids per row; the actual token's column is checked
     as the log-prob, the fixed ones against the reference's distribution (in `check`)."""
     table = torch.tensor([[token, 1, 2] for token in ids[1:]], dtype=torch.int32)
-    request = scoring_pb2.ScoreRequest(token_ids=ids, score_ids=encode_tensor(table, first_row=1))
+    request = scoring_pb2.ScoreRequest(token_ids=ids, score_ids=encode_tensor(table, first_row=1), teacher_key=t.teacher)
     answer = _grpc(lambda: t.stub.Score(request, timeout=60))
     return decode_tensor(answer.score_logprobs).double().numpy()
 
 
-# name -> one call. The SGLang `/generate` and vLLM `/inference/v1/generate` kinds join here as they
-# land on main: a function (Target, ids) -> the log-probs of rows 1..T-1, raising Refused where the
-# surface says "retry" (a 503 while draining).
+def aligned(t: Target, ids: list[int]) -> np.ndarray:
+    """An aligned request made from `ids` (AlignedCase): the teacher's answer over its own
+    tokenization, NaN where the server's teacher ids are not the teacher tokenizer's."""
+    case = t.refs.aligned[tuple(ids)]
+    request = scoring_pb2.ScoreRequest(token_ids=case.student_ids, prompt_length=case.prompt_length, logprobs=True,
+                                       student_tokenizer="student", teacher_prompt_ids=case.teacher_prompt_ids,
+                                       teacher_key=t.teacher)
+    answer = _grpc(lambda: t.stub.Score(request, timeout=60)).aligned
+    got = decode_tensor(answer.teacher.logprobs).double().numpy()
+    return got if decode_tensor(answer.teacher_ids).tolist() == case.teacher_ids else np.full_like(got, np.nan)
+
+
+def openai_echo(t: Target, ids: list[int]) -> np.ndarray:
+    """lm-eval's log-likelihood call: the prompt echoed with its log-probs, one greedy token after."""
+    reply = _http(httpx.post(t.http_url + "/v1/completions", timeout=60, json={
+        "prompt": ids, "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0}))
+    return np.array(reply.json()["choices"][0]["logprobs"]["token_logprobs"][1:len(ids)], dtype=np.float64)
+
+
+def sglang_generate(t: Target, ids: list[int]) -> np.ndarray:
+    """slime's teacher call: SGLang's /generate with max_new_tokens 0, rows from logprob_start_len 0."""
+    reply = _http(httpx.post(t.http_url + "/generate", timeout=60, json={
+        "input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 0, "skip_special_tokens": False},
+        "return_logprob": True, "logprob_start_len": 0}))
+    return np.array([entry[0] for entry in reply.json()["meta_info"]["input_token_logprobs"][1:]], dtype=np.float64)
+
+
+def vllm_generate(t: Target, ids: list[int]) -> np.ndarray:
+    """vLLM 0.32's teacher scoring: the actual token and two fixed ids per row, as a .npy matrix."""
+    candidates = [[token, 1, 2] for token in ids[1:]]
+    reply = _http(httpx.post(t.http_url + "/inference/v1/generate", timeout=60, json={
+        "token_ids": ids, "sampling_params": {"max_tokens": 1, "temperature": 0,
+                                              "prompt_logprob_token_ids": candidates, "prompt_logprob_start": 0}}))
+    matrix = np.load(io.BytesIO(base64.b64decode(reply.json()["prompt_token_id_logprobs"])), allow_pickle=False)
+    return matrix.astype(np.float64)
+
+
+# name -> one call: a function (Target, ids) -> the log-probs of rows 1..T-1 (for ID_TABLE_KINDS the
+# [T-1, 3] table of the actual token's and ids 1 and 2's; for "aligned" the teacher rows of its
+# AlignedCase), raising Refused where the surface says "retry" (a 503 while draining).
 KINDS: dict[str, Callable[[Target, list[int]], np.ndarray]] = {
     "grpc unary": grpc_unary,
     "grpc stream hidden": grpc_stream_hidden,
@@ -136,7 +232,12 @@ KINDS: dict[str, Callable[[Target, list[int]], np.ndarray]] = {
     "http protobuf": http_protobuf,
     "completions": completions,
     "score_ids": score_ids,
+    "aligned": aligned,
+    "openai echo": openai_echo,
+    "sglang generate": sglang_generate,
+    "vllm generate": vllm_generate,
 }
+ID_TABLE_KINDS = ("score_ids", "vllm generate")
 
 
 # -- the hostile calls: each must be refused with a 4xx, never a 5xx, a hang or a crash -----------
@@ -152,6 +253,11 @@ HOSTILE: dict[str, Callable[[str], None]] = {
     "oversized completions": lambda url: _hostile_post(
         url, b'{"max_tokens": 1, "prompt_logprobs": 0, "prompt": [' + b"12345," * 2_000_000 + b"1]}",
         path="/v1/completions"),
+    "oversized /generate": lambda url: _hostile_post(
+        url, b'{"return_logprob": true, "input_ids": [' + b"12345," * 2_000_000 + b"1]}", path="/generate"),
+    "oversized /inference/v1/generate": lambda url: _hostile_post(
+        url, b'{"sampling_params": {"max_tokens": 1}, "token_ids": [' + b"12345," * 2_000_000 + b"1]}",
+        path="/inference/v1/generate"),
     "deep JSON": lambda url: _hostile_post(url, b"[" * 100_000 + b"]" * 100_000),
     "bad media": lambda url: _hostile_post(url, json.dumps({"token_ids": [1, 2, 3], "logprobs": True, "images": [
         {"data": "bm90IGFuIGltYWdl", "media_type": "image/png"}]}).encode()),
@@ -178,33 +284,21 @@ class Tally:
                 self.failures.append(f"{kind}: {note}"[:300])
 
 
-class References:
-    """The reference teacher's log-probs and full distributions per sequence, computed once."""
-
-    def __init__(self, model_dir: Path, work: list[list[int]]) -> None:
-        self.rows = {tuple(ids): reference_rows(model_dir, ids) for ids in work}
-
-    def check(self, kind: str, ids: list[int], got: np.ndarray) -> bool:
-        ref = self.rows[tuple(ids)]
-        if kind == "score_ids":
-            wanted = ref.distributions[:, [1, 2]].numpy()
-            return got.shape == (len(ids) - 1, 3) and np.allclose(got[:, 0], ref.logprobs.numpy(), atol=ATOL) and (
-                np.allclose(got[:, 1:], wanted, atol=ATOL))
-        return got.shape == (len(ids) - 1,) and np.allclose(got, ref.logprobs.numpy(), atol=ATOL)
-
-
-def client_loop(target: Callable[[], Target], refs: References, work: list[list[int]], tally: Tally,
+def client_loop(targets: Callable[[], list[Target]], work: list[list[int]], tally: Tally,
                 stop: threading.Event, offset: int, down: threading.Event) -> None:
-    """The kinds in turn until `stop`. While `down` is set (the server draining, gone, restarting),
-    a refused connection is the answer expected; at any other time it is a lost request."""
+    """The kinds in turn, each to every teacher in turn, until `stop`. While `down` is set (the
+    server draining, gone, restarting), a refused connection is the answer expected; at any other
+    time it is a lost request."""
     names = list(KINDS)
     index = offset
     while not stop.is_set():
+        teachers = targets()
         kind, ids = names[index % len(names)], work[index % len(work)]
+        target = teachers[(index // len(names)) % len(teachers)]
         index += 1
         started = time.perf_counter()
         try:
-            got = KINDS[kind](target(), ids)
+            got = KINDS[kind](target, ids)
         except Refused as refused:
             tally.add(kind, "refused as expected", note=f"refused {refused}")
             time.sleep(0.2)
@@ -216,7 +310,7 @@ def client_loop(target: Callable[[], Target], refs: References, work: list[list[
         except Exception as exc:  # every other failure is a lost request
             tally.add(kind, "lost", note=repr(exc))
             continue
-        ok = refs.check(kind, ids, got)
+        ok = target.refs.check(kind, ids, got)
         tally.add(kind, "answered correctly" if ok else "wrong", latency=time.perf_counter() - started,
                   note="" if ok else f"max diff on {len(ids)} ids")
 
@@ -232,23 +326,24 @@ def hostile_burst(url: str, tally: Tally, seconds: float) -> None:
                 tally.add("hostile: " + name, "wrong", note=repr(exc))
 
 
-def slow_readers_and_cancels(t: Target, refs: References, work: list[list[int]], tally: Tally, seconds: float) -> None:
+def slow_readers_and_cancels(t: Target, work: list[list[int]], tally: Tally, seconds: float) -> None:
     """Streams read a chunk at a time with pauses, and unary calls cancelled 20 ms in."""
     deadline, index = time.monotonic() + seconds, 0
     while time.monotonic() < deadline:
         ids = work[index % len(work)]
         index += 1
-        request = scoring_pb2.ScoreRequest(token_ids=ids, logprobs=True, hidden_states=True)
+        request = scoring_pb2.ScoreRequest(token_ids=ids, logprobs=True, hidden_states=True, teacher_key=t.teacher)
         try:
             chunks = []
             for chunk in t.stub.ScoreStream(request, timeout=60):
                 chunks.append(chunk)
                 time.sleep(1.0)
-            ok = refs.check("slow stream reader", ids, decode_tensor(chunks[0].response.logprobs).double().numpy())
+            ok = t.refs.check("slow stream reader", ids, decode_tensor(chunks[0].response.logprobs).double().numpy())
             tally.add("slow stream reader", "answered correctly" if ok else "wrong")
         except Exception as exc:
             tally.add("slow stream reader", "lost", note=repr(exc))
-        future = t.stub.Score.future(scoring_pb2.ScoreRequest(token_ids=ids, logprobs=True), timeout=60)
+        future = t.stub.Score.future(scoring_pb2.ScoreRequest(token_ids=ids, logprobs=True, teacher_key=t.teacher),
+                                     timeout=60)
         time.sleep(0.02)
         future.cancel()
         tally.add("cancelled mid-request", "refused as expected" if future.cancelled() else "answered correctly")
@@ -298,34 +393,57 @@ def metrics_outcomes(url: str) -> dict[str, float]:
     return dict(out)
 
 
-def serve(model_dir: Path, engine: str) -> SubprocessServer:
-    args = ["--model", str(model_dir), "--teacher-name", "tiny", "--replicas", "2", "--device", "cpu",
-            "--max-topk", "8", "--health-check-interval-s", "1", "--max-model-len", "512"]
+TEACHERS = {"tiny": 2, "tiny-b": 1}  # key -> replicas; each key its own weights (make_tiny_model's seed)
+
+
+def write_config(folder: Path, models: dict[str, Path], student_dir: Path, engine: str) -> Path:
+    """The soak's `proctor serve --config` file: TEACHERS on CPU 'devices', the student tokenizer."""
+    inference: dict = {"name": engine, "tensor_model_parallel_size": 1, "dtype": "float32", "max_model_len": 512,
+                       "prompt_length": 255, "response_length": 256}
     if engine == "vllm":
-        args += ["--engine", "vllm", "--inference", "gpu_memory_utilization=0.12", "--inference",
-                 "enforce_eager=true"]
-    return SubprocessServer(args, startup_timeout=600)
+        inference |= {"gpu_memory_utilization": 0.12, "enforce_eager": True, "startup_timeout_s": 600}
+    teachers = {key: {"key": key, "model_path": str(models[key]), "num_replicas": replicas, "inference": inference}
+                for key, replicas in TEACHERS.items()}
+    document = {
+        "distillation": {"enabled": True, "nnodes": 1, "n_gpus_per_node": sum(TEACHERS.values()),
+                         "teacher_key": "data_source", "teacher_models": teachers,
+                         "distillation_loss": {"loss_mode": "forward_kl_topk", "topk": 8}},
+        "server": {"device": "cpu", "grpc_port": 0, "http_port": 0, "health_check_interval_s": 1,
+                   "student_tokenizers": {"student": str(student_dir)}},
+    }
+    path = folder / "soak.yaml"
+    path.write_text(json.dumps(document, indent=1))  # JSON is YAML
+    return path
+
+
+def serve(config: Path) -> SubprocessServer:
+    return SubprocessServer(["--config", str(config)], startup_timeout=900)
 
 
 # -- the run -------------------------------------------------------------------------------------
 
 def run(minutes: float, engine: str, clients: int, log: Callable[[str], None] = print) -> dict:
-    from proctor.server.cli.tiny_model import make_tiny_model
+    from proctor.server.cli.tiny_model import STUDENT_SEED, STUDENT_VOCAB_SIZE, make_tiny_model
 
     total = minutes * 60
-    model_dir = make_tiny_model(Path(tempfile.mkdtemp(prefix="soak-")), num_heads=2, num_kv_heads=1)
+    folder = Path(tempfile.mkdtemp(prefix="soak-"))
+    models = {key: make_tiny_model(folder / key, seed=index) for index, key in enumerate(TEACHERS)}
+    student_dir = make_tiny_model(folder / "student", vocab_size=STUDENT_VOCAB_SIZE, seed=STUDENT_SEED,
+                                  student_tokenizer=True)
     work = sequences(12, seed=43, length=(16, 96))
-    refs = References(model_dir, work)
-    server = serve(model_dir, engine)
-    state = {"target": None}
+    refs = {key: References(model_dir, work, student_dir) for key, model_dir in models.items()}
+    config = write_config(folder, models, student_dir, engine)
+    server = serve(config)
+    state: dict[str, list[Target]] = {"targets": []}
 
     def connect(s: SubprocessServer) -> None:
-        channel = grpc.insecure_channel(s.grpc_target)
-        state["target"] = Target(s.grpc_target, s.http_url, scoring_pb2_grpc.TeacherScoringStub(channel))
+        stub = scoring_pb2_grpc.TeacherScoringStub(grpc.insecure_channel(s.grpc_target))
+        state["targets"] = [Target(s.grpc_target, f"{s.http_url}/teachers/{key}", key, stub, refs[key])
+                            for key in TEACHERS]
 
     connect(server)
     tally, stop, down = Tally(), threading.Event(), threading.Event()
-    threads = [threading.Thread(target=client_loop, args=(lambda: state["target"], refs, work, tally, stop, i * 2, down),
+    threads = [threading.Thread(target=client_loop, args=(lambda: state["targets"], work, tally, stop, i * 2, down),
                                 daemon=True) for i in range(clients)]
     started = time.monotonic()
     for thread in threads:
@@ -370,7 +488,7 @@ def run(minutes: float, engine: str, clients: int, log: Callable[[str], None] = 
     hostile.start()
     at(0.55)
     event("slow stream readers and mid-request cancels")
-    slow = threading.Thread(target=slow_readers_and_cancels, args=(state["target"], refs, work, tally, 0.1 * total),
+    slow = threading.Thread(target=slow_readers_and_cancels, args=(state["targets"][0], work, tally, 0.1 * total),
                             daemon=True)
     slow.start()
     at(0.7)
@@ -397,7 +515,7 @@ def run(minutes: float, engine: str, clients: int, log: Callable[[str], None] = 
     code = server.stop(timeout=120)
     drain_s = time.monotonic() - drain_started
     event(f"server exited {code} after {drain_s:.1f}s; restarting")
-    server = serve(model_dir, engine)
+    server = serve(config)
     connect(server)
     down.clear()
     restarted = time.monotonic()
