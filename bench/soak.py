@@ -1,7 +1,7 @@
 """A soak: steady mixed load on every surface for a set time, faults on a schedule, and one table
 that says whether anything was lost, wrong or leaked.
 
-`proctor serve --config` (two tiny teachers of other weights: `tiny` on two replicas, `tiny-b` on
+`proctor serve --config` (two tiny teachers of other weights: `tiny-a` on two replicas, `tiny-b` on
 one, each in a worker process, and a student tokenizer of another vocabulary for aligned requests;
 `--engine vllm` for vLLM replicas at gpu_memory_utilization 0.12) runs in its own process. Client
 threads send the request kinds of `KINDS` in turn to each teacher in turn (gRPC by `teacher_key`,
@@ -272,7 +272,8 @@ class Tally:
     lock: threading.Lock = field(default_factory=threading.Lock)
     counts: dict = field(default_factory=lambda: defaultdict(lambda: defaultdict(int)))
     latencies: list = field(default_factory=list)  # (time, kind, seconds)
-    failures: list = field(default_factory=list)
+    failures: list = field(default_factory=list)  # lost and wrong calls, with what went wrong
+    refusals: list = field(default_factory=list)  # the first refusals' notes (expected ones)
 
     def add(self, kind: str, outcome: str, *, latency: float | None = None, note: str = "") -> None:
         with self.lock:
@@ -280,8 +281,9 @@ class Tally:
             self.counts[kind][outcome] += 1
             if latency is not None:
                 self.latencies.append((time.monotonic(), kind, latency))
-            if note and len(self.failures) < 50:
-                self.failures.append(f"{kind}: {note}"[:300])
+            notes = self.failures if outcome in ("lost", "wrong") else self.refusals
+            if note and len(notes) < 50:
+                notes.append(f"{kind}: {note}"[:300])
 
 
 def client_loop(targets: Callable[[], list[Target]], work: list[list[int]], tally: Tally,
@@ -362,6 +364,16 @@ def replica_workers(server: SubprocessServer) -> list[psutil.Process]:
     return out
 
 
+def faulted_workers(server: SubprocessServer) -> list[psutil.Process]:
+    """The live replica workers of the FAULTED teacher, by the "<replica>: <engine> engine ready in
+    replica worker <pid>" lines of the server's log (a replica's id starts with its teacher's key)."""
+    import re
+
+    pids = {int(m.group(2)) for line in list(server.log)
+            if (m := re.search(r"(\S+): \S+ engine ready in replica worker (\d+)", line)) and m.group(1).startswith(FAULTED)}
+    return [proc for proc in replica_workers(server) if proc.pid in pids and proc.status() != psutil.STATUS_ZOMBIE]
+
+
 def sample(server: SubprocessServer) -> dict[str, tuple[float, int, int]]:
     """role -> (RSS MB, open fds, threads): the front, and each replica worker with its engine
     processes (a restarted worker is the same role)."""
@@ -393,7 +405,11 @@ def metrics_outcomes(url: str) -> dict[str, float]:
     return dict(out)
 
 
-TEACHERS = {"tiny": 2, "tiny-b": 1}  # key -> replicas; each key its own weights (make_tiny_model's seed)
+# key -> replicas; each key its own weights (make_tiny_model's seed). Faults hit the first key's
+# replicas, so its requests fail over to its other replica (the second key's one replica is never
+# taken down: its callers would only wait for a restart).
+TEACHERS = {"tiny-a": 2, "tiny-b": 1}
+FAULTED = "tiny-a"
 
 
 def write_config(folder: Path, models: dict[str, Path], student_dir: Path, engine: str) -> Path:
@@ -467,12 +483,12 @@ def run(minutes: float, engine: str, clients: int, log: Callable[[str], None] = 
     warm = sample(server)
     event("quiet phase over; warm-up sample taken")
     at(0.2)
-    victim = replica_workers(server)[0]
+    victim = faulted_workers(server)[0]
     victim.kill()
     kills.append(time.monotonic())
     event(f"SIGKILL replica worker {victim.pid}")
     at(0.35)
-    stopped = replica_workers(server)[-1]
+    stopped = faulted_workers(server)[-1]
     stopped.send_signal(signal.SIGSTOP)
     event(f"SIGSTOP replica worker {stopped.pid} for 20 s")
     time.sleep(min(20.0, 0.1 * total))
@@ -495,12 +511,11 @@ def run(minutes: float, engine: str, clients: int, log: Callable[[str], None] = 
     hostile.join()
     slow.join()
     if engine == "vllm":
-        cores = engine_cores(server)
-        victim_core = next(iter(cores.values()))
+        victim_core = next(core for replica, core in engine_cores(server).items() if replica.startswith(FAULTED))
         victim_core.kill()
         event(f"SIGKILL EngineCore {victim_core.pid}")
     else:
-        victim = replica_workers(server)[0]
+        victim = faulted_workers(server)[0]
         victim.kill()
         event(f"SIGKILL replica worker {victim.pid}")
     kills.append(time.monotonic())
@@ -580,7 +595,8 @@ def report(tally: Tally, warm: dict, end: dict, started: float, total: float, qu
     text = "\n".join(lines)
     print(text, flush=True)
     return {"totals": dict(totals), "growth": growth, "warm": warm, "end": end, "phases": rows, "counted": counted,
-            "clients_ok": clients_ok, "drain_exit": code, "failures": tally.failures, "table": text,
+            "clients_ok": clients_ok, "drain_exit": code, "failures": tally.failures, "refusals": tally.refusals,
+            "table": text,
             "events": events}
 
 
