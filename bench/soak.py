@@ -521,9 +521,9 @@ def run(minutes: float, engine: str, clients: int, log: Callable[[str], None] = 
     kills.append(time.monotonic())
     at(0.97)
     end = sample(server)
-    counted = metrics_outcomes(server.http_url)
-    with tally.lock:
+    with tally.lock:  # before the server's count: every answer a client has, the server counted first
         clients_ok = sum(c["answered correctly"] for k, c in tally.counts.items() if not k.startswith("hostile"))
+    counted = metrics_outcomes(server.http_url)
     event("SIGTERM: drain under load")
     down.set()
     drain_started = time.monotonic()
