@@ -298,7 +298,7 @@ def client_loop(targets: Callable[[], list[Target]], work: list[list[int]], tall
         kind, ids = names[index % len(names)], work[index % len(work)]
         target = teachers[(index // len(names)) % len(teachers)]
         index += 1
-        started = time.perf_counter()
+        started, was_down = time.perf_counter(), down.is_set()  # a call begun while down may reach the old server
         try:
             got = KINDS[kind](target, ids)
         except Refused as refused:
@@ -306,7 +306,7 @@ def client_loop(targets: Callable[[], list[Target]], work: list[list[int]], tall
             time.sleep(0.2)
             continue
         except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError) as exc:
-            tally.add(kind, "refused as expected" if down.is_set() else "lost", note=repr(exc))
+            tally.add(kind, "refused as expected" if was_down or down.is_set() else "lost", note=repr(exc))
             time.sleep(0.2)
             continue
         except Exception as exc:  # every other failure is a lost request
