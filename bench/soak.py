@@ -364,23 +364,30 @@ def replica_workers(server: SubprocessServer) -> list[psutil.Process]:
     return out
 
 
-def faulted_workers(server: SubprocessServer) -> list[psutil.Process]:
-    """The live replica workers of the FAULTED teacher, by the "<replica>: <engine> engine ready in
-    replica worker <pid>" lines of the server's log (a replica's id starts with its teacher's key)."""
+def replica_names(server: SubprocessServer) -> dict[int, str]:
+    """Replica worker pid -> its replica's id, from the "<replica>: <engine> engine ready in replica
+    worker <pid>" lines of the server's log (a replica's id starts with its teacher's key)."""
     import re
 
-    pids = {int(m.group(2)) for line in list(server.log)
-            if (m := re.search(r"(\S+): \S+ engine ready in replica worker (\d+)", line)) and m.group(1).startswith(FAULTED)}
-    return [proc for proc in replica_workers(server) if proc.pid in pids and proc.status() != psutil.STATUS_ZOMBIE]
+    return {int(m.group(2)): m.group(1) for line in list(server.log)
+            if (m := re.search(r"(\S+): \S+ engine ready in replica worker (\d+)", line))}
+
+
+def faulted_workers(server: SubprocessServer) -> list[psutil.Process]:
+    """The live replica workers of the FAULTED teacher."""
+    names = replica_names(server)
+    return [proc for proc in replica_workers(server)
+            if names.get(proc.pid, "").startswith(FAULTED) and proc.status() != psutil.STATUS_ZOMBIE]
 
 
 def sample(server: SubprocessServer) -> dict[str, tuple[float, int, int]]:
-    """role -> (RSS MB, open fds, threads): the front, and each replica worker with its engine
-    processes (a restarted worker is the same role)."""
+    """role -> (RSS MB, open fds, threads): the front, and each replica's worker with its engine
+    processes (a restarted replica's new worker is the same role: its figures start afresh)."""
     out = {}
+    names = replica_names(server)
     procs = {"front": [psutil.Process(server.proc.pid)]}
-    for index, worker in enumerate(sorted(replica_workers(server), key=lambda p: p.create_time())):
-        procs[f"replica worker {index}"] = [worker, *worker.children(recursive=True)]
+    for worker in replica_workers(server):
+        procs[f"replica {names.get(worker.pid, worker.pid)}"] = [worker, *worker.children(recursive=True)]
     for role, members in procs.items():
         rss = fds = threads = 0
         for proc in members:
