@@ -401,15 +401,20 @@ def sample(server: SubprocessServer) -> dict[str, tuple[float, int, int]]:
     return out
 
 
-def metrics_outcomes(url: str) -> dict[str, float]:
+def server_counts(url: str) -> tuple[dict[str, float], dict[str, float]]:
+    """The server's own counts: requests by outcome, and times each replica was taken out of
+    rotation (a replica no fault was aimed at should have none)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    out: dict[str, float] = defaultdict(float)
+    outcomes: dict[str, float] = defaultdict(float)
+    failures: dict[str, float] = {}
     for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
         for s in family.samples:
             if s.name == "proctor:requests_total":
-                out[s.labels["outcome"]] += s.value
-    return dict(out)
+                outcomes[s.labels["outcome"]] += s.value
+            elif s.name == "proctor:replica_failures_total":
+                failures[s.labels["replica"]] = s.value
+    return dict(outcomes), failures
 
 
 # key -> replicas; each key its own weights (make_tiny_model's seed). Faults hit the first key's
@@ -421,12 +426,8 @@ FAULTED = "tiny-a"
 
 def write_config(folder: Path, models: dict[str, Path], student_dir: Path, engine: str) -> Path:
     """The soak's `proctor serve --config` file: TEACHERS on CPU 'devices', the student tokenizer."""
-    inference: dict = {"name": engine, "tensor_model_parallel_size": 1, "dtype": "float32", "max_model_len": 512,
-                       "prompt_length": 255, "response_length": 256}
-    if engine == "vllm":
-        inference |= {"gpu_memory_utilization": 0.12, "enforce_eager": True, "startup_timeout_s": 600}
-    teachers = {key: {"key": key, "model_path": str(models[key]), "num_replicas": replicas, "inference": inference}
-                for key, replicas in TEACHERS.items()}
+    teachers = {key: {"key": key, "model_path": str(models[key]), "num_replicas": replicas,
+                      "inference": _inference(teacher_engine(key, engine))} for key, replicas in TEACHERS.items()}
     document = {
         "distillation": {"enabled": True, "nnodes": 1, "n_gpus_per_node": sum(TEACHERS.values()),
                          "teacher_key": "data_source", "teacher_models": teachers,
@@ -437,6 +438,30 @@ def write_config(folder: Path, models: dict[str, Path], student_dir: Path, engin
     path = folder / "soak.yaml"
     path.write_text(json.dumps(document, indent=1))  # JSON is YAML
     return path
+
+
+def teacher_engine(key: str, engine: str) -> str:
+    """The engine `key` runs on. With `--engine vllm` the faulted teacher's replicas are vLLM's; the
+    other teacher's are too where the host has a core for each vLLM replica (each binds its compute
+    to a core of its own; on this 2-core host a third would share one with another, whose OpenMP
+    threads are bound there too), else they run on the torch engine."""
+    if engine != "vllm" or key == FAULTED or (os.cpu_count() or 1) >= sum(TEACHERS.values()):
+        return engine
+    return "torch"
+
+
+def _inference(engine: str) -> dict:
+    inference: dict = {"name": engine, "tensor_model_parallel_size": 1, "dtype": "float32", "max_model_len": 512,
+                       "prompt_length": 255, "response_length": 256}
+    if engine == "vllm":
+        inference |= {"gpu_memory_utilization": 0.12, "enforce_eager": True, "startup_timeout_s": 600}
+    return inference
+
+
+def keep_log(server: SubprocessServer, path: Path) -> list[str]:
+    """The server's output written to `path`; its WARNING and ERROR lines."""
+    path.write_text("".join(server.log))
+    return [line.rstrip() for line in server.log if " WARNING " in line or " ERROR " in line or "Traceback" in line]
 
 
 def serve(config: Path) -> SubprocessServer:
@@ -530,12 +555,13 @@ def run(minutes: float, engine: str, clients: int, log: Callable[[str], None] = 
     end = sample(server)
     with tally.lock:  # before the server's count: every answer a client has, the server counted first
         clients_ok = sum(c["answered correctly"] for k, c in tally.counts.items() if not k.startswith("hostile"))
-    counted = metrics_outcomes(server.http_url)
+    counted, replica_failures = server_counts(server.http_url)
     event("SIGTERM: drain under load")
     down.set()
     drain_started = time.monotonic()
     code = server.stop(timeout=120)
     drain_s = time.monotonic() - drain_started
+    warnings = keep_log(server, folder / "server-1.log")
     event(f"server exited {code} after {drain_s:.1f}s; restarting")
     server = serve(config)
     connect(server)
@@ -549,8 +575,15 @@ def run(minutes: float, engine: str, clients: int, log: Callable[[str], None] = 
         after_restart = sum(1 for t, _, _ in tally.latencies if t > restarted)
     event(f"restarted server answered {after_restart} checked requests in 10 s; stopping")
     server.stop()
+    warnings += keep_log(server, folder / "server-2.log")
     result = report(tally, warm, end, started, total, quiet_end, kills, counted, clients_ok, events, drain_s, code)
-    result["after_restart"] = after_restart
+    print(f"replicas taken out of rotation (the server's count): {replica_failures}; faults aimed at {FAULTED}: "
+          f"{len(kills)}", flush=True)
+    print(f"server WARNING/ERROR lines: {len(warnings)} (logs in {folder})", flush=True)
+    for line in warnings[:20]:
+        print("  " + line[:240], flush=True)
+    result.update(after_restart=after_restart, replica_failures=replica_failures, server_warnings=warnings[:200],
+                  logs=str(folder))
     return result
 
 
