@@ -48,7 +48,7 @@ from proctor.proto.codec import decode_tensor, encode_tensor
 
 from support.reference import reference_rows
 from support.scoring import sequences
-from support.servers import SubprocessServer, engine_cores
+from support.servers import SubprocessServer, engine_cores, replica_names
 
 ATOL = 1e-4
 TOPK = 4
@@ -362,15 +362,6 @@ def replica_workers(server: SubprocessServer) -> list[psutil.Process]:
         except psutil.Error:
             continue
     return out
-
-
-def replica_names(server: SubprocessServer) -> dict[int, str]:
-    """Replica worker pid -> its replica's id, from the "<replica>: <engine> engine ready in replica
-    worker <pid>" lines of the server's log (a replica's id starts with its teacher's key)."""
-    import re
-
-    return {int(m.group(2)): m.group(1) for line in list(server.log)
-            if (m := re.search(r"(\S+): \S+ engine ready in replica worker (\d+)", line))}
 
 
 def faulted_workers(server: SubprocessServer) -> list[psutil.Process]:

@@ -147,10 +147,10 @@ class ProctorServer:
         The gRPC server is never shut down by gRPC core: core's shutdown fails every call it has
         received but not yet handed to a handler, and every call that reaches a connection before
         the client has read the GOAWAY, with CANCELLED, which a stock client does not retry
-        (about one call a drain under a retrying client, tests/test_drain_exit.py). Instead it
-        goes on answering UNAVAILABLE while HTTP, the replicas and the metrics server stop, and
-        the process ends under it: a call racing the end sees its connection closed, which every
-        gRPC client reports as UNAVAILABLE."""
+        (one to three a drain under twelve stock clients in a tight loop; tests/test_drain_exit.py).
+        Instead it goes on answering UNAVAILABLE while HTTP, the replicas and the metrics server
+        stop, and the process ends under it: a call racing the end sees its connection closed,
+        which every gRPC client reports as UNAVAILABLE."""
         from proctor.server.common.malloc_tuning import keep_large_buffers
 
         keep_large_buffers()  # this process serves: its answers' buffers are reused, not re-faulted

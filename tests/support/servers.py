@@ -181,6 +181,14 @@ class SubprocessServer:
             return self.proc.wait()
 
 
+def replica_names(server: SubprocessServer, engine: str | None = None) -> dict[int, str]:
+    """Replica worker pid -> its replica's id, from the "<replica>: <engine> engine ready in replica
+    worker <pid>" lines an engine host logs (of any engine when `engine` is None)."""
+    kind = r"\S+" if engine is None else re.escape(engine)
+    return {int(m.group(2)): m.group(1) for line in list(server.log)
+            if (m := re.search(rf"(\S+): {kind} engine ready in replica worker (\d+)", line))}
+
+
 def engine_processes(server: SubprocessServer, engine: str = "vllm", marker: str = "EngineCore") -> dict:
     """replica id -> the engine process of that replica of a `proctor serve` process.
 
@@ -191,11 +199,7 @@ def engine_processes(server: SubprocessServer, engine: str = "vllm", marker: str
     """
     import psutil
 
-    hosts = {}
-    for line in list(server.log):
-        match = re.search(rf"(\S+): {re.escape(engine)} engine ready in replica worker (\d+)", line)
-        if match:
-            hosts[int(match.group(2))] = match.group(1)
+    hosts = replica_names(server, engine)
     cores = {}
     for proc in psutil.Process(server.proc.pid).children(recursive=True):
         if proc.pid not in hosts:
